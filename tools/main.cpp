@@ -1,0 +1,26 @@
+// The `gradsync` command line: dispatches to one subcommand per file (launch.cpp, train.cpp, ...).
+#include <cstdio>
+#include <exception>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"gradsync: data-parallel training for libtorch with declared gradient semantics"};
+  app.require_subcommand(1);
+  int exit_code = 0;
+  gradsync::cli::add_launch_command(app, exit_code);
+  gradsync::cli::add_train_command(app, exit_code);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const std::exception& e) {
+    // Library code throws; only the CLI turns an error into an exit status.
+    fmt::print(stderr, "gradsync: error: {}\n", e.what());
+    return 1;
+  }
+  return exit_code;
+}
