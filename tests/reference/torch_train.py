@@ -1,0 +1,441 @@
+#!/usr/bin/python3
+"""Reference trainer for gradsync: real PyTorch (DDP) with the same contract as `gradsync train`.
+
+This is the *reference* the C++ product is tested against, never part of the product. Run it only with
+Debian's /usr/bin/python3 (python3-torch 1.13).
+
+Usage:
+  torch_train.py --model SPEC --data SPEC --global-batch B [--accumulate K] [--world-size N]
+                 [--strategy local|ddp] [--optimizer sgd|adam] [--lr F] [--momentum F]
+                 [--weight-decay F] [--loss ce|mse] [--loss-reduction mean|sum]
+                 [--steps S | --epochs E] [--seed S] [--shuffle | --no-shuffle]
+                 [--init-state FILE] [--save-state FILE] [--log FILE.jsonl]
+
+  Multi-rank: gradsync launch -n N -- /usr/bin/python3 torch_train.py ...
+          or: torchrun --standalone --nproc_per_node N --no_python /usr/bin/python3 torch_train.py ...
+  (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT come from the environment; gloo backend.)
+
+Model specs:  mlp:IN-H1-...-OUT     Linear, ReLU, ..., Linear
+              mlp-bn:IN-H1-...-OUT  Linear, BatchNorm1d, ReLU per hidden layer, final Linear
+Data specs:   fashion-mnist[:train|:test]   ($GRADSYNC_FASHION_MNIST_DIR overrides the directory)
+              synthetic:N                    (generator recipe in load_synthetic)
+              PATH                           torch.save({"inputs": X, "targets": Y}, PATH)
+
+Semantics (mirrored by the C++ side):
+  * per-rank micro-batch b = B / (N * K); rank r iterates
+    DataLoader(TensorDataset, batch_size=b, sampler=DistributedSampler(n, N, r, shuffle, seed,
+    drop_last=False)), set_epoch(e) at the start of epoch e;
+  * an optimizer step consumes K consecutive micro-batches of the epoch (the last group of an epoch
+    may have K' < K); each micro-batch loss is divided by the size of its group; all but the last
+    micro-batch of a group run under ddp.no_sync(); then optimizer.step(); optimizer.zero_grad();
+  * --steps S crosses epoch boundaries; --epochs E runs whole epochs; default --epochs 1.
+  * --strategy local also uses DistributedSampler(num_replicas=1, rank=0) (so shuffling is the
+    sampler's permutation seeded with seed + epoch, not a RandomSampler).
+  * log "loss" = sum over the group of float(loss / K'), all_reduce(SUM) / N in float64 (only done when
+    --log is given; every rank takes part); "samples" counts DistributedSampler padding repeats too.
+
+Defaults: --strategy ddp, --optimizer sgd, --lr 0.01 (sgd) / 1e-3 (adam), --momentum 0, --weight-decay 0,
+--loss ce, --loss-reduction mean, --seed 0, --shuffle, --accumulate 1.
+
+Data files: inputs of any real dtype, reshaped to float32 [n, IN]. ce: targets must be integer class
+labels [n] in [0, OUT). mse: float targets reshaped to [n, OUT], or integer labels [n] which become
+one-hot float32 [n, OUT] (as for fashion-mnist). fashion-mnist needs IN=784; labels must be < OUT.
+
+A micro-batch of 1 sample through BatchNorm1d in training mode is an error (as in torch).
+Exit status: 0 success; 2 bad arguments or inputs (message on stderr).
+"""
+import argparse
+import contextlib
+import gzip
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+PROG = "torch_train.py"
+DEFAULT_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn):([0-9]+(?:-[0-9]+)+)$")
+
+
+class UsageError(Exception):
+    """A bad argument or input; reported as `<prog>: error: ...` with exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------
+def parse_model_spec(spec):
+    """'mlp:8-16-4' -> (batch_norm=False, [8, 16, 4]). Raises UsageError on a malformed spec."""
+    m = MODEL_SPEC_RE.match(spec or "")
+    if not m:
+        raise UsageError(
+            f"model spec {spec!r} is malformed; expected mlp:IN-H1-...-OUT or mlp-bn:IN-H1-...-OUT "
+            f"with at least IN and OUT, all positive integers (e.g. mlp:784-256-10)")
+    sizes = [int(s) for s in m.group(2).split("-")]
+    if any(s <= 0 for s in sizes):
+        raise UsageError(f"model spec {spec!r}: every layer size must be > 0, got {sizes}")
+    return m.group(1) == "mlp-bn", sizes
+
+
+def build_model(spec):
+    """nn.Sequential with state-dict keys '0.weight', '1.running_mean', ... (see module docstring)."""
+    batch_norm, sizes = parse_model_spec(spec)
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:  # hidden layer
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(sizes[i + 1]))
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------------
+def load_synthetic(n, in_size, out_size, loss, seed):
+    g = torch.Generator()
+    g.manual_seed(seed)
+    X = torch.randn(n, in_size, generator=g)
+    W = torch.randn(in_size, out_size, generator=g)
+    logits = X @ W
+    if loss == "ce":
+        Y = logits.argmax(dim=1)
+    else:
+        Y = logits / math.sqrt(in_size)
+    return X, Y
+
+
+def _read_idx_gz(path, magic, ndim):
+    try:
+        with gzip.open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UsageError(f"cannot read Fashion-MNIST file {path}: {e}")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise UsageError(f"Fashion-MNIST file {path} is truncated (no IDX header)")
+    got_magic = int.from_bytes(raw[0:4], "big")
+    if got_magic != magic:
+        raise UsageError(f"Fashion-MNIST file {path}: IDX magic {got_magic}, expected {magic}")
+    dims = [int.from_bytes(raw[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    count = int(np.prod(dims))
+    if len(raw) - header != count:
+        raise UsageError(f"Fashion-MNIST file {path}: {len(raw) - header} data bytes, "
+                         f"header dims {dims} need {count}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def load_fashion_mnist(split, in_size, out_size, loss):
+    d = os.environ.get("GRADSYNC_FASHION_MNIST_DIR") or DEFAULT_FASHION_MNIST_DIR
+    prefix = "train" if split == "train" else "t10k"
+    images = _read_idx_gz(os.path.join(d, f"{prefix}-images-idx3-ubyte.gz"), 2051, 3)
+    labels = _read_idx_gz(os.path.join(d, f"{prefix}-labels-idx1-ubyte.gz"), 2049, 1)
+    if images.shape[0] != labels.shape[0]:
+        raise UsageError(f"Fashion-MNIST in {d}: {images.shape[0]} images but {labels.shape[0]} labels")
+    X = torch.from_numpy(images.reshape(images.shape[0], -1).astype(np.float32) / np.float32(255.0))
+    if X.shape[1] != in_size:
+        raise UsageError(f"data 'fashion-mnist' has {X.shape[1]} inputs per sample but the model "
+                         f"expects IN={in_size} (use e.g. mlp:784-256-10)")
+    Y = torch.from_numpy(labels.astype(np.int64))
+    return X, _labels_for_loss(Y, out_size, loss, "fashion-mnist")
+
+
+def _labels_for_loss(Y, out_size, loss, what):
+    """int64 class labels [n] -> themselves (ce) or one-hot float32 [n, OUT] (mse)."""
+    if Y.numel() and (int(Y.min()) < 0 or int(Y.max()) >= out_size):
+        raise UsageError(f"data {what!r}: class labels span [{int(Y.min())}, {int(Y.max())}] but the "
+                         f"model has OUT={out_size} outputs (labels must be in [0, {out_size}))")
+    if loss == "ce":
+        return Y
+    return torch.nn.functional.one_hot(Y, out_size).to(torch.float32)
+
+
+def load_dataset_file(path, in_size, out_size, loss):
+    if not os.path.isfile(path):
+        raise UsageError(f"data {path!r} is neither 'fashion-mnist', 'synthetic:N' nor an existing file")
+    try:
+        obj = torch.load(path, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad input
+        raise UsageError(f"cannot load data file {path!r} with torch.load: {e}")
+    if not isinstance(obj, dict) or "inputs" not in obj or "targets" not in obj:
+        raise UsageError(f"data file {path!r} must hold a dict with keys 'inputs' and 'targets'")
+    X, Y = torch.as_tensor(obj["inputs"]), torch.as_tensor(obj["targets"])
+    if X.dim() < 1:
+        raise UsageError(f"data file {path!r}: 'inputs' must have a sample dimension, got a scalar")
+    n = X.shape[0]
+    if X.is_complex() or X.dtype == torch.bool:
+        raise UsageError(f"data file {path!r}: 'inputs' dtype {X.dtype} is not a real number type")
+    X = X.reshape(n, -1).to(torch.float32).contiguous()
+    if X.shape[1] != in_size:
+        raise UsageError(f"data file {path!r}: {X.shape[1]} inputs per sample, model expects IN={in_size}")
+    if Y.dim() < 1 or Y.shape[0] != n:
+        raise UsageError(f"data file {path!r}: 'targets' has shape {tuple(Y.shape)}, expected {n} rows "
+                         f"like 'inputs'")
+    if loss == "ce":
+        if Y.dim() != 1 or Y.is_floating_point() or Y.is_complex() or Y.dtype == torch.bool:
+            raise UsageError(f"data file {path!r}: loss ce needs integer class labels of shape [{n}], "
+                             f"got {Y.dtype} {tuple(Y.shape)}")
+        return X, _labels_for_loss(Y.to(torch.int64), out_size, loss, path)
+    # mse
+    if Y.dim() == 1 and not (Y.is_floating_point() or Y.is_complex()) and Y.dtype != torch.bool:
+        return X, _labels_for_loss(Y.to(torch.int64), out_size, loss, path)  # labels -> one-hot
+    if not Y.is_floating_point():
+        raise UsageError(f"data file {path!r}: loss mse needs float targets [{n}, {out_size}] "
+                         f"(or integer labels [{n}]), got {Y.dtype} {tuple(Y.shape)}")
+    Y = Y.reshape(n, -1)
+    if Y.shape[1] != out_size:
+        raise UsageError(f"data file {path!r}: targets have {Y.shape[1]} values per sample, model has "
+                         f"OUT={out_size}")
+    return X, Y.to(torch.float32).contiguous()
+
+
+def load_dataset(spec, in_size, out_size, loss, seed):
+    if spec in ("fashion-mnist", "fashion-mnist:train", "fashion-mnist:test"):
+        return load_fashion_mnist("test" if spec.endswith(":test") else "train", in_size, out_size, loss)
+    if spec.startswith("synthetic:"):
+        s = spec[len("synthetic:"):]
+        if not s.isdigit() or int(s) <= 0:
+            raise UsageError(f"data spec {spec!r}: N in synthetic:N must be a positive integer")
+        return load_synthetic(int(s), in_size, out_size, loss, seed)
+    return load_dataset_file(spec, in_size, out_size, loss)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------------
+def build_parser():
+    p = argparse.ArgumentParser(prog=PROG, description="Reference PyTorch trainer (see module docstring).",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT")
+    p.add_argument("--data", required=True, help="fashion-mnist | synthetic:N | PATH")
+    p.add_argument("--global-batch", type=int, required=True, metavar="B",
+                   help="samples per optimizer step over all ranks and micro-steps")
+    p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per step (1)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="expected world size; must equal $WORLD_SIZE")
+    p.add_argument("--strategy", choices=["local", "ddp"], default="ddp")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (sgd 0.01, adam 1e-3)")
+    p.add_argument("--momentum", type=float, default=None, help="SGD momentum (0)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--loss", choices=["ce", "mse"], default="ce")
+    p.add_argument("--loss-reduction", choices=["mean", "sum"], default="mean")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--steps", type=int, default=None, metavar="S", help="optimizer steps in total")
+    g.add_argument("--epochs", type=int, default=None, metavar="E", help="whole epochs (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="model init, synthetic data and sampler seed (0)")
+    p.add_argument("--shuffle", dest="shuffle", action="store_true", default=True,
+                   help="DistributedSampler shuffle (default)")
+    p.add_argument("--no-shuffle", dest="shuffle", action="store_false")
+    p.add_argument("--init-state", metavar="FILE", help="state dict (torch.save of a dict) to start from")
+    p.add_argument("--save-state", metavar="FILE", help="rank 0 saves the final state dict here")
+    p.add_argument("--log", metavar="FILE.jsonl", help="rank 0 writes one JSON line per step")
+    return p
+
+
+def validate(args, env_world):
+    """Checks everything that does not need data; raises UsageError."""
+    parse_model_spec(args.model)
+    if args.global_batch <= 0:
+        raise UsageError(f"--global-batch must be > 0, got {args.global_batch}")
+    if args.accumulate <= 0:
+        raise UsageError(f"--accumulate must be > 0, got {args.accumulate}")
+    if args.world_size is not None and args.world_size <= 0:
+        raise UsageError(f"--world-size must be > 0, got {args.world_size}")
+    if args.steps is not None and args.steps < 0:
+        raise UsageError(f"--steps must be >= 0, got {args.steps}")
+    if args.epochs is not None and args.epochs < 0:
+        raise UsageError(f"--epochs must be >= 0, got {args.epochs}")
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    if args.optimizer == "adam" and args.momentum is not None:
+        raise UsageError("--momentum applies to --optimizer sgd only (Adam has betas), remove it")
+    if args.lr is not None and not args.lr >= 0.0:
+        raise UsageError(f"--lr must be >= 0, got {args.lr}")
+    if args.momentum is not None and not args.momentum >= 0.0:
+        raise UsageError(f"--momentum must be >= 0, got {args.momentum}")
+    if not args.weight_decay >= 0.0:
+        raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.strategy == "local":
+        if args.world_size is not None and args.world_size != 1:
+            raise UsageError(f"--strategy local is single-process; --world-size {args.world_size} "
+                             f"needs --strategy ddp")
+        if env_world is not None and env_world != 1:
+            raise UsageError(f"--strategy local is single-process but was launched with WORLD_SIZE="
+                             f"{env_world}; use --strategy ddp")
+        world = 1
+    else:
+        world = env_world if env_world is not None else 1
+        if args.world_size is not None and args.world_size != world:
+            if env_world is None:
+                raise UsageError(f"--world-size {args.world_size} but RANK/WORLD_SIZE are not set; launch "
+                                 f"with `gradsync launch -n {args.world_size}` or torchrun")
+            raise UsageError(f"--world-size {args.world_size} does not match WORLD_SIZE={env_world} "
+                             f"from the launcher")
+    if args.global_batch % (world * args.accumulate) != 0:
+        raise UsageError(f"--global-batch {args.global_batch} is not divisible by world size {world} x "
+                         f"--accumulate {args.accumulate} = {world * args.accumulate}")
+    return world
+
+
+def env_world_size():
+    if "RANK" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", ""))
+    except ValueError:
+        raise UsageError(f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+                         f"from the environment are not integers")
+    if world <= 0 or not 0 <= rank < world:
+        raise UsageError(f"environment RANK={rank} WORLD_SIZE={world} is inconsistent")
+    return world
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------
+def make_optimizer(args, params):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=0.01 if args.lr is None else args.lr,
+                               momentum=args.momentum or 0.0, weight_decay=args.weight_decay)
+    return torch.optim.Adam(params, lr=1e-3 if args.lr is None else args.lr,
+                            weight_decay=args.weight_decay)
+
+
+def train(args, world, X, Y, tmpdir):
+    ddp = args.strategy == "ddp"
+    torch.manual_seed(args.seed)
+    module = build_model(args.model)
+    if args.init_state:
+        try:
+            state = torch.load(args.init_state, map_location="cpu")
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(f"cannot load --init-state {args.init_state!r}: {e}")
+        if not isinstance(state, dict):
+            raise UsageError(f"--init-state {args.init_state!r} holds a {type(state).__name__}, "
+                             f"expected a state dict")
+        try:
+            module.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise UsageError(f"--init-state {args.init_state!r} does not fit model {args.model!r}: {e}")
+
+    # The process group starts only after every input was validated, so bad inputs fail fast on all ranks.
+    rank = 0
+    if ddp:
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo")  # env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+        else:
+            store = dist.FileStore(os.path.join(tmpdir, "filestore"), 1)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        rank = dist.get_rank()
+        assert dist.get_world_size() == world, (dist.get_world_size(), world)
+    model = DistributedDataParallel(module) if ddp else module
+    model.train()
+
+    optimizer = make_optimizer(args, model.parameters())
+    criterion = (nn.CrossEntropyLoss if args.loss == "ce" else nn.MSELoss)(reduction=args.loss_reduction)
+
+    K = args.accumulate
+    b = args.global_batch // (world * K)
+    dataset = TensorDataset(X, Y)
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=args.shuffle,
+                                 seed=args.seed, drop_last=False)
+    loader = DataLoader(dataset, batch_size=b, sampler=sampler, shuffle=False, drop_last=False)
+    micro_per_epoch = len(loader)
+    steps_per_epoch = (micro_per_epoch + K - 1) // K
+    if args.steps is not None:
+        total_steps = args.steps
+    else:
+        total_steps = (1 if args.epochs is None else args.epochs) * steps_per_epoch
+
+    log = open(args.log, "w") if (args.log and rank == 0) else None
+    step, epoch = 0, 0
+    try:
+        while step < total_steps:
+            sampler.set_epoch(epoch)
+            it = iter(loader)
+            done = 0  # micro-batches consumed in this epoch
+            while done < micro_per_epoch and step < total_steps:
+                t0 = time.perf_counter()
+                group = min(K, micro_per_epoch - done)
+                loss_sum, samples = 0.0, 0
+                for j in range(group):
+                    x, y = next(it)
+                    sync = (not ddp) or j == group - 1
+                    with (contextlib.nullcontext() if sync else model.no_sync()):
+                        try:
+                            out = model(x)
+                        except ValueError as e:
+                            if "Expected more than 1 value per channel" not in str(e):
+                                raise
+                            raise UsageError(
+                                f"step {step} (epoch {epoch}): a micro-batch of {x.shape[0]} sample reaches "
+                                f"BatchNorm1d in training mode, which needs more than 1 value per channel "
+                                f"(torch: {e}); change --global-batch/--accumulate/--world-size or the data "
+                                f"size so no rank's micro-batch has a single sample")
+                        loss = criterion(out, y) / group
+                        loss.backward()
+                    loss_sum += float(loss.detach())
+                    samples += x.shape[0]
+                optimizer.step()
+                optimizer.zero_grad()
+                done += group
+                if args.log:
+                    if ddp:
+                        t = torch.tensor([loss_sum, float(samples)], dtype=torch.float64)
+                        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+                        loss_sum, samples = float(t[0]) / world, int(round(float(t[1])))
+                    if log is not None:
+                        rec = {"step": step, "epoch": epoch, "loss": loss_sum, "samples": samples,
+                               "seconds": time.perf_counter() - t0}
+                        log.write(json.dumps(rec) + "\n")
+                        log.flush()
+                step += 1
+            epoch += 1
+    finally:
+        if log is not None:
+            log.close()
+
+    if args.save_state and rank == 0:
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.save_state)
+    if ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else 1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        world = validate(args, env_world_size())
+    except UsageError as e:
+        parser.error(str(e))  # prints the usage too
+    try:
+        _, sizes = parse_model_spec(args.model)
+        X, Y = load_dataset(args.data, sizes[0], sizes[-1], args.loss, args.seed)
+        if X.shape[0] == 0:
+            raise UsageError(f"data {args.data!r} has no samples")
+        with tempfile.TemporaryDirectory(prefix="torch_train_") as tmpdir:
+            train(args, world, X, Y, tmpdir)
+    except UsageError as e:  # bad data/state files or a run the configuration cannot do
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
