@@ -1,0 +1,56 @@
+// defines: World (this process's place in the job: rank, size, store, process group, collectives) and init(),
+// which joins a job the way torchrun's workers do.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <optional>
+
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "gradsync/collectives.h"
+#include "gradsync/launch_env.h"
+
+namespace gradsync {
+
+struct InitOptions {
+  // Deadline for the rendezvous and for every collective. PyTorch's default is 30 minutes; tests use seconds.
+  std::chrono::milliseconds timeout = std::chrono::minutes(30);
+  // The launcher environment; by default read from the process environment with read_launch_env().
+  std::optional<LaunchEnv> env;
+};
+
+class World {
+ public:
+  World(LaunchEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
+        std::chrono::milliseconds timeout);
+
+  int rank() const { return env_.rank; }
+  int size() const { return env_.world_size; }
+  int local_rank() const { return env_.local_rank; }
+  int local_size() const { return env_.local_world_size; }
+  bool is_main() const { return env_.rank == 0; }
+  const LaunchEnv& env() const { return env_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  Collectives& comm() { return comm_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const { return group_; }
+
+ private:
+  LaunchEnv env_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  std::chrono::milliseconds timeout_;
+  Collectives comm_;
+};
+
+// Reads and validates the environment (ConfigError before any socket is opened), connects to the store
+// (GRADSYNC_STORE_FILE's FileStore, else a TCPStore at MASTER_ADDR:MASTER_PORT served by rank 0), checks
+// that ranks are distinct and agree on the world size (see rendezvous.h), then creates a ProcessGroupGloo.
+std::shared_ptr<World> init(const InitOptions& options = {});
+
+// The same on a store the caller made (tests: a FileStore in a temp dir).
+std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
+                                       std::chrono::milliseconds timeout);
+
+}  // namespace gradsync

@@ -1,0 +1,355 @@
+// The DDP gradient engine (see reducer.h for one gradient's path).
+#include "gradsync/reducer.h"
+
+#include <chrono>
+#include <mutex>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "gradsync/bucket.h"
+#include "gradsync/error.h"
+
+namespace gradsync {
+
+using Clock = std::chrono::steady_clock;
+
+struct Reducer::State {
+  struct Slot {
+    size_t bucket = 0;
+    torch::Tensor view;  // this parameter's region of its bucket, shaped like the parameter
+    bool ready = false;  // its gradient has been copied into the bucket in this backward
+  };
+  struct Bucket {
+    torch::Tensor flat;
+    std::vector<size_t> params;
+    size_t pending = 0;  // parameters whose gradient is not in the bucket yet
+    PendingWork work;
+  };
+
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<World> world;
+  DdpOptions options;
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> params;
+  std::vector<torch::Tensor> buffers;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
+  std::vector<Slot> slots;
+  std::vector<Bucket> buckets;
+
+  std::mutex mutex;
+  bool require_backward_sync = true;   // false inside no_sync()
+  bool require_forward_param_sync = true;  // PyTorch: broadcast buffers before a forward following a synced one
+  bool expect_hooks = false;           // a synced forward armed the coming backward
+  bool callback_queued = false;
+  size_t next_launch = 0;              // buckets launch strictly in index order on every rank
+  Clock::time_point backward_start;
+  BackwardTimeline timeline;
+
+  int rank() const { return world->rank(); }
+  int size() const { return world->size(); }
+  double ms_since_start() const {
+    return std::chrono::duration<double, std::milli>(Clock::now() - backward_start).count();
+  }
+
+  void mark_ready(size_t index, const std::weak_ptr<State>& self);
+  void copy_into_bucket(size_t index);
+  void launch_ready_buckets();
+  void finalize();
+  std::vector<size_t> zero_unused();
+  std::vector<bool> globally_used(const std::vector<size_t>& unused);
+  void write_back(const std::vector<bool>& used_anywhere);
+  void reset();
+};
+
+namespace {
+
+// Called by autograd after AccumulateGrad has updated .grad, once per backward per parameter.
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(std::weak_ptr<Reducer::State> state, size_t index) : state_(std::move(state)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto state = state_.lock()) state->mark_ready(index_, state_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<Reducer::State> state_;  // the hook outlives the reducer inside autograd's graph
+  size_t index_;
+};
+
+std::string describe_tensor(const std::string& kind, const std::string& name, const torch::Tensor& t) {
+  return fmt::format("{} {} {} [{}]", kind, name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "));
+}
+
+std::vector<std::string> split_lines(const std::string& text) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return out;
+}
+
+// The first difference between rank r's model description and rank 0's, or "" when they agree.
+std::string first_difference(const std::vector<std::string>& reference, const std::vector<std::string>& other,
+                             int rank) {
+  const size_t common = std::min(reference.size(), other.size());
+  for (size_t k = 0; k < common; ++k) {
+    if (reference[k] != other[k]) {
+      return fmt::format("entry #{} differs: rank 0 has '{}', rank {} has '{}'", k, reference[k], rank, other[k]);
+    }
+  }
+  if (reference.size() == other.size()) return "";
+  const bool extra = other.size() > reference.size();
+  return fmt::format("rank 0 has {} parameters and buffers, rank {} has {}; first {}: '{}'", reference.size(), rank,
+                     other.size(), extra ? fmt::format("extra on rank {}", rank) : "missing on rank " +
+                     std::to_string(rank), extra ? other[common] : reference[common]);
+}
+
+void verify_same_model(Collectives& comm, const std::string& mine) {
+  auto all = comm.allgather_strings(mine);
+  auto reference = split_lines(all[0]);
+  std::vector<std::string> problems;
+  for (int r = 1; r < comm.size(); ++r) {
+    auto diff = first_difference(reference, split_lines(all[static_cast<size_t>(r)]), r);
+    if (!diff.empty()) problems.push_back(diff);
+  }
+  if (!problems.empty()) {
+    throw DistributedError(fmt::format("DistributedDataParallel on rank {}: the model differs across ranks: {}",
+                                       comm.rank(), fmt::join(problems, "; ")));
+  }
+}
+
+}  // namespace
+
+void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!expect_hooks) return;  // no_sync, or no synced forward armed this backward
+  if (!callback_queued) {
+    callback_queued = true;
+    backward_start = Clock::now();
+    timeline = BackwardTimeline{};
+    // Runs once the autograd engine has finished this backward, before backward() returns.
+    torch::autograd::Engine::get_default_engine().queue_callback([self] {
+      if (auto state = self.lock()) state->finalize();
+    });
+  }
+  auto& slot = slots[index];
+  if (slot.ready) {
+    throw DistributedError(fmt::format("DistributedDataParallel on rank {}: parameter '{}' received a gradient "
+                                       "twice in one backward; call forward again before another backward",
+                                       rank(), names[index]));
+  }
+  copy_into_bucket(index);
+  slot.ready = true;
+  timeline.last_hook_ms = ms_since_start();
+  if (--buckets[slot.bucket].pending == 0) launch_ready_buckets();
+}
+
+void Reducer::State::copy_into_bucket(size_t index) {
+  torch::NoGradGuard no_grad;
+  const auto& grad = params[index].grad();
+  auto& view = slots[index].view;
+  const bool aliased = grad.defined() && grad.data_ptr() == view.data_ptr();
+  if (options.reduction == Reduction::Mean && size() > 1) {
+    // See Note [Where the division happens]: x 1/N folded into the copy, one pass over the gradient.
+    const double scale = 1.0 / size();
+    if (aliased) {
+      view.mul_(scale);
+    } else {
+      at::mul_out(view, grad, c10::scalar_to_tensor(c10::Scalar(scale)));
+    }
+  } else if (!aliased) {
+    view.copy_(grad);
+  }
+}
+
+void Reducer::State::launch_ready_buckets() {
+  // Collectives must be issued in the same order on every rank: bucket i waits for buckets < i.
+  while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+    auto& bucket = buckets[next_launch];
+    bucket.work = world->comm().allreduce_sum_async(bucket.flat);
+    timeline.bucket_launch_ms.push_back(ms_since_start());
+    ++next_launch;
+  }
+}
+
+std::vector<size_t> Reducer::State::zero_unused() {
+  std::vector<size_t> unused;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i].ready) continue;
+    unused.push_back(i);
+    slots[i].view.zero_();  // an unused parameter contributes zeros, still counted in the 1/N
+    slots[i].ready = true;
+    --buckets[slots[i].bucket].pending;
+  }
+  return unused;
+}
+
+// PyTorch leaves .grad untouched for a parameter unused on every rank; that needs one small allreduce.
+std::vector<bool> Reducer::State::globally_used(const std::vector<size_t>& unused) {
+  std::vector<bool> used(params.size(), true);
+  if (!options.find_unused_parameters) return used;
+  auto local = torch::ones({static_cast<int64_t>(params.size())}, torch::kLong);
+  for (size_t i : unused) local[static_cast<int64_t>(i)] = 0;
+  world->comm().allreduce(local, Reduction::Sum);
+  for (size_t i = 0; i < params.size(); ++i) used[i] = local[static_cast<int64_t>(i)].item<int64_t>() > 0;
+  return used;
+}
+
+void Reducer::State::write_back(const std::vector<bool>& used_anywhere) {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!used_anywhere[i]) continue;
+    auto& param = params[i];
+    const auto& view = slots[i].view;
+    auto& grad = param.mutable_grad();
+    if (options.gradient_as_bucket_view) {
+      if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
+    } else if (grad.defined()) {
+      grad.copy_(view);
+    } else {
+      grad = view.clone();
+    }
+  }
+}
+
+void Reducer::State::finalize() {
+  std::lock_guard<std::mutex> lock(mutex);
+  timeline.finalize_ms = ms_since_start();
+  auto unused = zero_unused();
+  launch_ready_buckets();
+  try {
+    for (auto& bucket : buckets) bucket.work.wait();
+    write_back(globally_used(unused));
+  } catch (...) {
+    reset();
+    throw;
+  }
+  reset();
+  if (!unused.empty() && !options.find_unused_parameters) {
+    std::vector<std::string> unused_names;
+    for (size_t i : unused) unused_names.push_back(names[i]);
+    throw DistributedError(fmt::format(
+        "DistributedDataParallel on rank {}: parameter(s) {} received no gradient in this backward (they did not "
+        "take part in computing the loss). Construct with find_unused_parameters=true if some parameters are "
+        "unused in some iterations, or remove them from the model",
+        rank(), fmt::join(unused_names, ", ")));
+  }
+}
+
+void Reducer::State::reset() {
+  for (auto& slot : slots) slot.ready = false;
+  for (auto& bucket : buckets) {
+    bucket.pending = bucket.params.size();
+    bucket.work = PendingWork();
+  }
+  next_launch = 0;
+  expect_hooks = false;
+  callback_queued = false;
+}
+
+Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<World> world, DdpOptions options)
+    : state_(std::make_shared<State>()) {
+  auto& s = *state_;
+  s.module = std::move(module);
+  s.world = std::move(world);
+  s.options = options;
+  std::string description;
+  for (const auto& item : s.module->named_parameters(/*recurse=*/true)) {
+    description += describe_tensor("parameter", item.key(), item.value()) + "\n";
+    if (!item.value().requires_grad()) continue;  // frozen parameters are neither reduced nor hooked
+    s.names.push_back(item.key());
+    s.params.push_back(item.value());
+  }
+  for (const auto& item : s.module->named_buffers(/*recurse=*/true)) {
+    description += describe_tensor("buffer", item.key(), item.value()) + "\n";
+    s.buffers.push_back(item.value());
+  }
+  auto& comm = s.world->comm();
+  verify_same_model(comm, description);
+  std::vector<torch::Tensor> everything = s.params;
+  everything.insert(everything.end(), s.buffers.begin(), s.buffers.end());
+  comm.broadcast_coalesced(everything, /*root=*/0);
+
+  s.slots.resize(s.params.size());
+  for (const auto& plan : plan_buckets(s.params, options.first_bucket_bytes, options.bucket_cap_bytes)) {
+    State::Bucket bucket;
+    bucket.flat = torch::zeros({plan.numel}, torch::TensorOptions().dtype(plan.dtype));
+    for (const auto& entry : plan.entries) {
+      auto& slot = s.slots[entry.param];
+      slot.bucket = s.buckets.size();
+      slot.view = bucket.flat.narrow(0, entry.offset, entry.numel).view(s.params[entry.param].sizes());
+      bucket.params.push_back(entry.param);
+    }
+    bucket.pending = bucket.params.size();
+    s.buckets.push_back(std::move(bucket));
+  }
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
+    accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, i));
+    s.accumulators.push_back(std::move(accumulator));
+  }
+}
+
+Reducer::~Reducer() = default;
+
+void Reducer::before_forward() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.options.broadcast_buffers && s.require_forward_param_sync && !s.buffers.empty() && s.size() > 1) {
+    s.world->comm().broadcast_coalesced(s.buffers, /*root=*/0);
+  }
+}
+
+void Reducer::after_forward() {
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  // Mirrors PyTorch: the sync decision is taken at forward time, and a forward that will not sync (no_sync or
+  // no grad mode) also skips the buffer broadcast before the next forward.
+  const bool sync = torch::GradMode::is_enabled() && s.require_backward_sync;
+  s.require_forward_param_sync = sync;
+  if (sync && !s.callback_queued) {
+    s.reset();
+    s.expect_hooks = true;
+  } else if (!sync && !s.callback_queued) {
+    s.expect_hooks = false;
+  }
+}
+
+bool Reducer::require_sync() const { return state_->require_backward_sync; }
+void Reducer::set_require_sync(bool sync) { state_->require_backward_sync = sync; }
+
+void Reducer::zero_grad() {
+  torch::NoGradGuard no_grad;
+  for (auto& param : state_->params) {
+    if (param.grad().defined()) param.mutable_grad().zero_();
+  }
+}
+
+const DdpOptions& Reducer::options() const { return state_->options; }
+size_t Reducer::bucket_count() const { return state_->buckets.size(); }
+
+std::vector<std::vector<std::string>> Reducer::bucket_parameter_names() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& bucket : state_->buckets) {
+    out.emplace_back();
+    for (size_t i : bucket.params) out.back().push_back(state_->names[i]);
+  }
+  return out;
+}
+
+BackwardTimeline Reducer::last_timeline() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->timeline;
+}
+
+}  // namespace gradsync

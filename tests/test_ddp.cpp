@@ -1,0 +1,349 @@
+// DistributedDataParallel tests, in the style of PyTorch's own: every rank trains a DDP model on its share of
+// each global batch AND a local replica on the whole global batch, and the parameters must agree after every
+// step (data differs every step). Plus: sum vs mean told apart, unused parameters, buffers, model mismatch,
+// gradients as bucket views, and communication overlapping backward.
+#include <cmath>
+
+#include <gtest/gtest.h>
+
+#include "gradsync/accumulate.h"
+#include "gradsync/ddp.h"
+#include "gradsync/state_dict.h"
+#include "support/subprocess.h"
+#include "support/worker.h"
+
+using gradsync::DdpOptions;
+using gradsync::DistributedDataParallel;
+using gradsync::Reduction;
+namespace t = gradsync::test;
+namespace nn = torch::nn;
+
+namespace {
+
+std::shared_ptr<gradsync::World> join() { return gradsync::init({std::chrono::seconds(60), std::nullopt}); }
+
+nn::Sequential make_mlp(uint64_t seed) {
+  torch::manual_seed(seed);
+  return nn::Sequential(nn::Linear(6, 16), nn::ReLU(), nn::Linear(16, 8), nn::ReLU(), nn::Linear(8, 3));
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, nn::Sequential& model) {
+  if (kind == "adam") return std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(0.01));
+  return std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+}
+
+double max_relative_difference(nn::Module& a, nn::Module& b) {
+  auto sa = gradsync::state_dict(a);
+  auto sb = gradsync::state_dict(b);
+  double worst = 0;
+  for (size_t i = 0; i < sa.size(); ++i) {
+    auto x = sa[i].second.to(torch::kDouble);
+    auto y = sb[i].second.to(torch::kDouble);
+    double scale = std::max(y.abs().max().item<double>(), 1e-12);
+    worst = std::max(worst, (x - y).abs().max().item<double>() / scale);
+  }
+  return worst;
+}
+
+// Global batch of step s: the same on every rank, new every step.
+std::pair<torch::Tensor, torch::Tensor> global_batch(int64_t step, int64_t size) {
+  torch::manual_seed(1000 + static_cast<uint64_t>(step));
+  return {torch::randn({size, 6}), torch::randint(0, 3, {size})};
+}
+
+int arg_int(const std::vector<std::string>& args, size_t i, int fallback) {
+  return args.size() > i ? std::stoi(args[i]) : fallback;
+}
+
+}  // namespace
+
+// args: K (micro-batches), optimizer (sgd|adam), bucket_view (0|1)
+GRADSYNC_WORKER(ddp_equivalence) {
+  auto world = join();
+  const int n = world->size();
+  const int r = world->rank();
+  const int k = arg_int(args, 0, 1);
+  const std::string opt_kind = args.size() > 1 ? args[1] : "sgd";
+  DdpOptions options;
+  options.gradient_as_bucket_view = arg_int(args, 2, 0) == 1;
+  options.first_bucket_bytes = 256;  // several buckets even for a tiny model
+  options.bucket_cap_bytes = 1024;
+
+  auto local = make_mlp(0);
+  auto replica = make_mlp(static_cast<uint64_t>(r) * 7919 + 1);  // different per rank: DDP must broadcast rank 0's
+  DistributedDataParallel ddp(replica, world, options);
+  WORKER_CHECK(max_relative_difference(*replica, *local) == 0, "parameters not broadcast from rank 0");
+  auto local_opt = make_optimizer(opt_kind, local);
+  auto ddp_opt = make_optimizer(opt_kind, replica);
+
+  const int64_t b = 4;  // per-rank micro-batch
+  for (int64_t step = 0; step < 5; ++step) {
+    auto [x, y] = global_batch(step, b * k * n);
+    local_opt->zero_grad();
+    torch::nn::functional::cross_entropy(local->forward(x), y).backward();
+    local_opt->step();
+
+    ddp.zero_grad();
+    auto rank_x = x.narrow(0, r * b * k, b * k);
+    auto rank_y = y.narrow(0, r * b * k, b * k);
+    gradsync::accumulate(ddp, k, [&](int64_t m) {
+      return torch::nn::functional::cross_entropy(ddp.forward(rank_x.narrow(0, m * b, b)), rank_y.narrow(0, m * b, b));
+    });
+    ddp_opt->step();
+    double diff = max_relative_difference(*replica, *local);
+    WORKER_CHECK(diff < 1e-5, "step {}: DDP on {} ranks x {} micro-batches differs from one process by {}", step, n,
+                 k, diff);
+  }
+  fmt::print("equivalent on rank {} of {}\n", r, n);
+  return 0;
+}
+
+struct DdpCase {
+  int world;
+  int k;
+  std::string optimizer;
+  int bucket_view;
+};
+
+class DdpEquivalence : public testing::TestWithParam<DdpCase> {};
+
+TEST_P(DdpEquivalence, MatchesOneProcessOnTheGlobalBatchAfterEveryStep) {
+  const auto& c = GetParam();
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(120);
+  auto results = t::run_ranks(c.world, t::worker_argv("ddp_equivalence", {std::to_string(c.k), c.optimizer,
+                                                                          std::to_string(c.bucket_view)}), opts);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, DdpEquivalence,
+    testing::Values(DdpCase{1, 1, "sgd", 0}, DdpCase{2, 1, "sgd", 0}, DdpCase{3, 1, "adam", 0},
+                    DdpCase{4, 1, "sgd", 0}, DdpCase{1, 3, "adam", 0}, DdpCase{2, 2, "sgd", 0},
+                    DdpCase{3, 2, "adam", 1}, DdpCase{4, 2, "sgd", 1}),
+    [](const testing::TestParamInfo<DdpCase>& info) {
+      return fmt::format("N{}_K{}_{}{}", info.param.world, info.param.k, info.param.optimizer,
+                         info.param.bucket_view ? "_bucketview" : "");
+    });
+
+// Rank r's loss is 2^r * sum(w): its gradient is 2^r everywhere, so mean = (2^N-1)/N, sum = 2^N-1.
+GRADSYNC_WORKER(ddp_sum_vs_mean) {
+  auto world = join();
+  const Reduction reduction = gradsync::parse_reduction(args.at(0));
+  auto model = nn::Linear(nn::LinearOptions(4, 1).bias(false));
+  DdpOptions options;
+  options.reduction = reduction;
+  DistributedDataParallel ddp(model, world, options);
+  auto x = torch::full({1, 4}, std::ldexp(1.0, world->rank()));
+  ddp.forward(x).sum().backward();
+  const double sum = std::ldexp(1.0, world->size()) - 1;
+  const double expected = reduction == Reduction::Sum ? sum : sum / world->size();
+  auto grad = model->weight.grad();
+  WORKER_CHECK(torch::allclose(grad, torch::full_like(grad, expected), 1e-6, 0), "{}: grad {} expected {}",
+               args.at(0), grad[0][0].item<double>(), expected);
+  fmt::print("grad {}\n", grad[0][0].item<double>());
+  return 0;
+}
+
+TEST(Ddp, MeanAndSumAreToldApart) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  for (const char* reduction : {"mean", "sum"}) {
+    auto results = t::run_ranks(3, t::worker_argv("ddp_sum_vs_mean", {reduction}), opts);
+    for (const auto& r : results) ASSERT_TRUE(r.ok()) << reduction << ": " << r.describe();
+  }
+}
+
+// A model whose second head is used only when asked: args: find_unused (0|1), who uses the head ("none", "odd")
+struct TwoHeads : nn::Module {
+  TwoHeads() {
+    torch::manual_seed(3);
+    body = register_module("body", nn::Linear(4, 4));
+    head = register_module("head", nn::Linear(4, 2));
+    spare = register_module("spare", nn::Linear(4, 2));
+  }
+  torch::Tensor forward(torch::Tensor x, bool use_spare) {
+    auto h = torch::relu(body->forward(x));
+    return use_spare ? head->forward(h) + spare->forward(h) : head->forward(h);
+  }
+  nn::Linear body{nullptr}, head{nullptr}, spare{nullptr};
+};
+TORCH_MODULE(TwoHeadsModule);
+
+GRADSYNC_WORKER(ddp_unused) {
+  auto world = join();
+  DdpOptions options;
+  options.find_unused_parameters = args.at(0) == "1";
+  const bool use_spare = args.at(1) == "odd" && world->rank() % 2 == 1;
+  TwoHeadsModule model;
+  DistributedDataParallel ddp(model, world, options);
+  auto x = torch::ones({2, 4}) * (world->rank() + 1);
+  ddp.forward(x, use_spare).sum().backward();
+  auto grad = model->spare->weight.grad();
+  if (args.at(1) == "none") {
+    WORKER_CHECK(!grad.defined(), "a parameter unused on every rank must keep .grad undefined");
+  } else {
+    // Used on odd ranks only: the mean gradient is (sum over odd ranks q of g_q) / N, even ranks adding zeros.
+    WORKER_CHECK(grad.defined(), "a parameter used on some rank must get a gradient on every rank");
+    TwoHeadsModule reference;  // same seed, same initial parameters as every rank's model
+    for (int q = 1; q < world->size(); q += 2) {
+      reference->forward(torch::ones({2, 4}) * (q + 1), true).sum().backward();
+    }
+    auto expected = reference->spare->weight.grad() / world->size();
+    WORKER_CHECK(torch::allclose(grad, expected, 1e-5, 1e-7), "spare.weight grad {} expected {}",
+                 grad.sum().item<double>(), expected.sum().item<double>());
+  }
+  fmt::print("unused handled on rank {}\n", world->rank());
+  return 0;
+}
+
+TEST(Ddp, UnusedParameterWithoutFindUnusedFailsNamingItInsteadOfHanging) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(2, t::worker_argv("ddp_unused", {"0", "none"}), opts);
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.ok());
+    EXPECT_FALSE(r.timed_out);
+    EXPECT_NE(r.err.find("spare.weight"), std::string::npos) << r.describe();
+    EXPECT_NE(r.err.find("find_unused_parameters"), std::string::npos) << r.describe();
+  }
+}
+
+TEST(Ddp, UnusedParametersWithFindUnused) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  for (const char* who : {"none", "odd"}) {
+    auto results = t::run_ranks(3, t::worker_argv("ddp_unused", {"1", who}), opts);
+    for (const auto& r : results) ASSERT_TRUE(r.ok()) << who << ": " << r.describe();
+  }
+}
+
+// Every rank builds the model with its own seed; DDP must make parameters and buffers equal to rank 0's, and a
+// shape that differs on one rank must fail on every rank, naming the parameter and the ranks.
+GRADSYNC_WORKER(ddp_mismatch) {
+  auto world = join();
+  const int64_t width = world->rank() == 1 ? 5 : 4;
+  auto model = nn::Sequential(nn::Linear(3, width), nn::ReLU(), nn::Linear(width, 2));
+  DistributedDataParallel ddp(model, world);
+  return 0;
+}
+
+TEST(Ddp, ModelMismatchFailsOnEveryRankNamingParameterAndRanks) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(3, t::worker_argv("ddp_mismatch"), opts);
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.ok());
+    EXPECT_FALSE(r.timed_out);
+    EXPECT_NE(r.err.find("0.weight"), std::string::npos) << r.describe();
+    EXPECT_NE(r.err.find("rank 1"), std::string::npos) << r.describe();
+    EXPECT_NE(r.err.find("[5, 3]"), std::string::npos) << r.describe();
+  }
+}
+
+GRADSYNC_WORKER(ddp_buffers) {
+  auto world = join();
+  torch::manual_seed(static_cast<uint64_t>(world->rank()) + 11);
+  auto model = nn::Sequential(nn::Linear(3, 4), nn::BatchNorm1d(4), nn::ReLU(), nn::Linear(4, 2));
+  // Distinct buffers per rank before wrapping.
+  auto bn = model->ptr<nn::BatchNormImpl>(1);
+  {
+    torch::NoGradGuard no_grad;
+    bn->running_mean.fill_(world->rank() + 1.0);
+  }
+  DistributedDataParallel ddp(model, world);
+  auto gather_all = [&] {
+    std::string mine;
+    for (const auto& [name, tensor] : gradsync::state_dict(*model)) {
+      auto flat = tensor.to(torch::kDouble).flatten();
+      for (int64_t i = 0; i < flat.numel(); ++i) mine += fmt::format("{}:{:.17g};", name, flat[i].item<double>());
+    }
+    return world->comm().allgather_strings(mine);
+  };
+  auto states = gather_all();
+  for (const auto& s : states) WORKER_CHECK(s == states[0], "parameters/buffers differ from rank 0 after wrapping");
+  // One synced step with rank-dependent data: running stats diverge, and the next forward re-broadcasts
+  // rank 0's buffers before computing (PyTorch's broadcast_buffers).
+  auto x = torch::randn({8, 3}) + world->rank();
+  ddp.forward(x).sum().backward();
+  auto before = bn->running_mean.clone();
+  auto rank0_before = before.clone();
+  world->comm().broadcast(rank0_before, 0);
+  {
+    torch::NoGradGuard no_grad;
+    bn->eval();
+    ddp.forward(x);  // eval forward: no running-stat update, buffers broadcast first
+  }
+  WORKER_CHECK(torch::equal(bn->running_mean, rank0_before), "buffers were not broadcast from rank 0");
+  fmt::print("buffers ok\n");
+  return 0;
+}
+
+TEST(Ddp, ParametersAndBuffersFollowRankZero) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(3, t::worker_argv("ddp_buffers"), opts);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+}
+
+// A deep-ish model with tiny buckets: bucket 0 (the last layers) must be launched while backward is still
+// computing the first layers' gradients.
+GRADSYNC_WORKER(ddp_overlap) {
+  auto world = join();
+  torch::manual_seed(0);
+  nn::Sequential model;
+  for (int i = 0; i < 8; ++i) {
+    model->push_back(nn::Linear(256, 256));
+    model->push_back(nn::ReLU());
+  }
+  DdpOptions options;
+  options.first_bucket_bytes = 256 * 256 * 4;
+  options.bucket_cap_bytes = 256 * 256 * 4;
+  DistributedDataParallel ddp(model, world, options);
+  auto x = torch::randn({64, 256});
+  for (int it = 0; it < 3; ++it) ddp.forward(x).sum().backward();
+  auto timeline = ddp.reducer().last_timeline();
+  WORKER_CHECK(ddp.reducer().bucket_count() >= 4, "expected several buckets, got {}", ddp.reducer().bucket_count());
+  WORKER_CHECK(timeline.bucket_launch_ms.size() == ddp.reducer().bucket_count(), "not every bucket launched");
+  fmt::print("bucket launches (ms since first gradient): {:.3f}; last gradient ready at {:.3f} ms; wait began at "
+             "{:.3f} ms\n", fmt::join(timeline.bucket_launch_ms, ", "), timeline.last_hook_ms, timeline.finalize_ms);
+  WORKER_CHECK(timeline.bucket_launch_ms.front() < timeline.last_hook_ms,
+               "bucket 0 launched at {} ms, after the last gradient ({} ms): no overlap",
+               timeline.bucket_launch_ms.front(), timeline.last_hook_ms);
+  return 0;
+}
+
+TEST(Ddp, EarlyBucketAllreduceStartsBeforeBackwardEnds) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(2, t::worker_argv("ddp_overlap"), opts);
+  for (const auto& r : results) {
+    ASSERT_TRUE(r.ok()) << r.describe();
+    std::cout << r.out;
+  }
+}
+
+// Optimizer::zero_grad() throws on gradients that are views of a bucket; DDP's zero_grad() does not, and a
+// second step after zeroing gives the same gradient as the first.
+GRADSYNC_WORKER(ddp_bucket_view_zero_grad) {
+  auto world = join();
+  auto model = make_mlp(0);
+  DdpOptions options;
+  options.gradient_as_bucket_view = true;
+  DistributedDataParallel ddp(model, world, options);
+  auto x = torch::randn({4, 6});
+  ddp.forward(x).sum().backward();
+  auto first = model[0]->as<nn::Linear>()->weight.grad().clone();
+  ddp.zero_grad();
+  WORKER_CHECK(model[0]->as<nn::Linear>()->weight.grad().abs().sum().item<double>() == 0, "not zeroed");
+  ddp.forward(x).sum().backward();
+  WORKER_CHECK(torch::equal(first, model[0]->as<nn::Linear>()->weight.grad()), "second gradient differs");
+  return 0;
+}
+
+TEST(Ddp, GradientsAsBucketViewsCanBeZeroed) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(2, t::worker_argv("ddp_bucket_view_zero_grad"), opts);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+}

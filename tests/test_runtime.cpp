@@ -1,0 +1,215 @@
+// Runtime tests: the launcher environment is validated before any socket, and the rendezvous catches what
+// libtorch 1.13 does not (duplicate ranks, disagreeing world sizes, missing ranks), naming the ranks.
+#include <map>
+
+#include <gtest/gtest.h>
+
+#include "gradsync/error.h"
+#include "gradsync/launch_env.h"
+#include "gradsync/runtime.h"
+#include "support/subprocess.h"
+#include "support/worker.h"
+
+using gradsync::ConfigError;
+using gradsync::LaunchEnv;
+using gradsync::read_launch_env;
+namespace t = gradsync::test;
+
+namespace {
+
+gradsync::EnvLookup env_of(std::map<std::string, std::string> vars) {
+  return [vars](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+std::string error_of(std::map<std::string, std::string> vars) {
+  try {
+    read_launch_env(env_of(std::move(vars)));
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+const std::map<std::string, std::string> kValid{{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", "1"},
+                                                 {"LOCAL_WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
+                                                 {"MASTER_PORT", "29511"}};
+
+std::map<std::string, std::string> with(std::map<std::string, std::string> base, const std::string& key,
+                                        const std::string& value) {
+  base[key] = value;
+  return base;
+}
+
+std::map<std::string, std::string> without(std::map<std::string, std::string> base, const std::string& key) {
+  base.erase(key);
+  return base;
+}
+
+}  // namespace
+
+TEST(LaunchEnv, ReadsTorchrunVariables) {
+  auto e = read_launch_env(env_of(kValid));
+  EXPECT_EQ(e.rank, 1);
+  EXPECT_EQ(e.world_size, 3);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.local_world_size, 3);
+  EXPECT_EQ(e.master_addr, "127.0.0.1");
+  EXPECT_EQ(e.master_port, 29511);
+  EXPECT_EQ(e.source, "torchrun");
+}
+
+TEST(LaunchEnv, ReadsOpenMpiVariables) {
+  auto e = read_launch_env(env_of({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                   {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}}));
+  EXPECT_EQ(e.rank, 2);
+  EXPECT_EQ(e.world_size, 4);
+  EXPECT_EQ(e.local_rank, 0);
+  EXPECT_EQ(e.local_world_size, 2);
+  EXPECT_EQ(e.source, "openmpi");
+}
+
+TEST(LaunchEnv, StoreFileReplacesMasterAddress) {
+  auto e = read_launch_env(env_of(with(without(without(kValid, "MASTER_ADDR"), "MASTER_PORT"),
+                                       "GRADSYNC_STORE_FILE", "/tmp/x/store")));
+  EXPECT_EQ(e.store_file, "/tmp/x/store");
+}
+
+TEST(LaunchEnv, NoLauncherMeansSingleProcess) {
+  auto e = read_launch_env(env_of({}));
+  EXPECT_EQ(e.world_size, 1);
+  EXPECT_EQ(e.rank, 0);
+  EXPECT_EQ(e.source, "none");
+}
+
+TEST(LaunchEnv, MissingVariablesAreNamed) {
+  EXPECT_NE(error_of(without(kValid, "WORLD_SIZE")).find("WORLD_SIZE is not set"), std::string::npos);
+  EXPECT_NE(error_of(without(kValid, "RANK")).find("RANK is not set"), std::string::npos);
+  EXPECT_NE(error_of(without(kValid, "MASTER_PORT")).find("MASTER_PORT is not set"), std::string::npos);
+  EXPECT_NE(error_of(without(kValid, "MASTER_ADDR")).find("MASTER_ADDR is not set"), std::string::npos);
+}
+
+TEST(LaunchEnv, NonIntegersAreNamedWithTheirValue) {
+  EXPECT_NE(error_of(with(kValid, "RANK", "abc")).find("RANK='abc' is not an integer"), std::string::npos);
+  EXPECT_NE(error_of(with(kValid, "WORLD_SIZE", "3x")).find("WORLD_SIZE='3x'"), std::string::npos);
+  EXPECT_NE(error_of(with(kValid, "MASTER_PORT", "")).find("MASTER_PORT=''"), std::string::npos);
+  EXPECT_NE(error_of(with(kValid, "LOCAL_RANK", "1.5")).find("LOCAL_RANK='1.5'"), std::string::npos);
+}
+
+TEST(LaunchEnv, OutOfRangeGivesBothValues) {
+  auto msg = error_of(with(kValid, "RANK", "3"));
+  EXPECT_NE(msg.find("RANK=3"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("WORLD_SIZE=3"), std::string::npos) << msg;
+  msg = error_of(with(kValid, "RANK", "-1"));
+  EXPECT_NE(msg.find("RANK=-1"), std::string::npos) << msg;
+  EXPECT_NE(error_of(with(kValid, "WORLD_SIZE", "0")).find("WORLD_SIZE=0"), std::string::npos);
+  EXPECT_NE(error_of(with(kValid, "MASTER_PORT", "70000")).find("MASTER_PORT=70000"), std::string::npos);
+  EXPECT_NE(error_of(with(kValid, "LOCAL_RANK", "5")).find("LOCAL_RANK=5"), std::string::npos);
+}
+
+// ---- multi-process: real ranks over a FileStore ---------------------------------------------------------
+
+GRADSYNC_WORKER(init_and_allreduce) {
+  auto world = gradsync::init({std::chrono::milliseconds(std::stoi(args.at(0))), std::nullopt});
+  auto t = torch::full({4}, std::pow(2.0, world->rank()));
+  world->comm().allreduce(t, gradsync::Reduction::Sum);
+  fmt::print("rank {} of {} sum {}\n", world->rank(), world->size(), t[0].item<double>());
+  return 0;
+}
+
+namespace {
+
+// Starts one process per entry of `ranks` with that RANK (duplicates allowed) and the given WORLD_SIZEs.
+std::vector<t::ProcessResult> start_job(const std::vector<int>& ranks, const std::vector<int>& world_sizes,
+                                        int timeout_ms) {
+  const std::string dir = t::make_temp_dir("gradsync-rdzv");
+  std::vector<t::Process> procs;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    t::CommandOptions opts;
+    opts.timeout = std::chrono::milliseconds(timeout_ms + 20000);
+    opts.env = {{"RANK", std::to_string(ranks[i])}, {"WORLD_SIZE", std::to_string(world_sizes[i])},
+                {"GRADSYNC_STORE_FILE", dir + "/store"}, {"OMP_NUM_THREADS", "1"}};
+    opts.unset_env = {"LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"};
+    procs.push_back(t::Process::start(t::worker_argv("init_and_allreduce", {std::to_string(timeout_ms)}), opts));
+  }
+  std::vector<t::ProcessResult> out;
+  for (auto& p : procs) out.push_back(p.wait());
+  return out;
+}
+
+}  // namespace
+
+TEST(Rendezvous, DistinctRanksJoinAndReduce) {
+  auto results = start_job({2, 0, 1}, {3, 3, 3}, 20000);
+  for (const auto& r : results) {
+    ASSERT_TRUE(r.ok()) << r.describe();
+    EXPECT_NE(r.out.find("of 3 sum 7"), std::string::npos) << r.out;
+  }
+}
+
+TEST(Rendezvous, DuplicateRankFailsEveryProcessNamingTheRank) {
+  auto results = start_job({0, 1, 1}, {3, 3, 3}, 20000);
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.ok());
+    EXPECT_FALSE(r.timed_out);
+    EXPECT_NE(r.err.find("rank 1 registered twice"), std::string::npos) << r.describe();
+    EXPECT_LT(r.seconds, 15.0);
+  }
+}
+
+TEST(Rendezvous, TwoProcessesWithTheSameRankBothFail) {
+  auto results = start_job({1, 1}, {2, 2}, 20000);
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.err.find("rank 1 registered twice"), std::string::npos) << r.describe();
+  }
+}
+
+TEST(Rendezvous, DisagreeingWorldSizeFailsNamingBothValues) {
+  auto results = start_job({0, 1, 2}, {3, 2, 3}, 20000);
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.err.find("disagree on WORLD_SIZE"), std::string::npos) << r.describe();
+    EXPECT_NE(r.err.find("WORLD_SIZE=2"), std::string::npos) << r.describe();
+    EXPECT_NE(r.err.find("WORLD_SIZE=3"), std::string::npos) << r.describe();
+  }
+}
+
+TEST(Rendezvous, MissingRankTimesOutNamingIt) {
+  auto results = start_job({0, 1}, {3, 3}, 2000);
+  for (const auto& r : results) {
+    EXPECT_FALSE(r.ok());
+    EXPECT_NE(r.err.find("missing rank(s) 2"), std::string::npos) << r.describe();
+    EXPECT_LT(r.seconds, 2.0 + 3.0);  // the timeout plus process start-up
+  }
+}
+
+TEST(Rendezvous, BadEnvironmentFailsFastNamingTheVariable) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(20);
+  opts.env = {{"RANK", "abc"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29999"}};
+  opts.unset_env = {"GRADSYNC_STORE_FILE"};
+  auto r = t::run(t::worker_argv("init_and_allreduce", {"5000"}), opts);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.err.find("RANK='abc' is not an integer"), std::string::npos) << r.describe();
+  opts.env = {{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29999"}};
+  r = t::run(t::worker_argv("init_and_allreduce", {"5000"}), opts);
+  EXPECT_FALSE(r.ok());
+  EXPECT_NE(r.err.find("RANK=2 is out of range for WORLD_SIZE=2"), std::string::npos) << r.describe();
+}
+
+TEST(Rendezvous, TcpStoreFromMasterAddressWorks) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(40);
+  opts.unset_env = {"GRADSYNC_STORE_FILE"};
+  opts.env = {{"GRADSYNC_STORE_FILE", ""}};
+  auto results = t::run_ranks(2, t::worker_argv("init_and_allreduce", {"20000"}), opts);
+  for (const auto& r : results) {
+    ASSERT_TRUE(r.ok()) << r.describe();
+    EXPECT_NE(r.out.find("of 2 sum 3"), std::string::npos) << r.out;
+  }
+}
