@@ -207,6 +207,24 @@ TEST(Launch, PrefixesStdoutAndStderrLinesWithTheRank) {
   EXPECT_EQ(raw.err, "err-0\n");
 }
 
+TEST(Launch, HeavyOutputArrivesIntactAndInOrder) {
+  CommandOptions o;
+  o.timeout = 60s;
+  const int lines = 20000;
+  ProcessResult r =
+      gradsync::test::run(launch_args({"-n", "4", "--", "seq", "1", std::to_string(lines)}), o);
+  ASSERT_TRUE(r.ok()) << r.describe();
+  std::map<int, int> last;  // rank -> last number seen
+  for (const auto& line : lines_of(r.out)) {
+    int rank = -1, value = -1;
+    ASSERT_EQ(std::sscanf(line.c_str(), "[rank%d]: %d", &rank, &value), 2) << line;
+    ASSERT_EQ(value, last[rank] + 1) << "rank " << rank << " lost or reordered a line";
+    last[rank] = value;
+  }
+  ASSERT_EQ(last.size(), 4u);
+  for (auto& [rank, value] : last) EXPECT_EQ(value, lines) << "rank " << rank;
+}
+
 TEST(Launch, FailingRankStopsTheOthersAndLeavesNoProcess) {
   TempDir dir;
   // Each rank records its shell's pid and that of a child `sleep`; rank 1 fails once all are up.

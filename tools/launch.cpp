@@ -8,31 +8,32 @@
 // c10d FileStore in a temp dir, so the launcher itself opens no socket.
 #include "launch.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #if __has_include(<linux/close_range.h>)
 #include <linux/close_range.h>
 #endif
-#include <sys/syscall.h>
 
 #include <algorithm>
-#include <arpa/inet.h>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
-#include <netinet/in.h>
+#include <memory>
 #include <optional>
 #include <random>
 #include <stdexcept>
-#include <sys/socket.h>
 #include <system_error>
 
 #include <CLI/CLI.hpp>
@@ -354,7 +355,7 @@ class LineForwarder {
     }
     pending_.erase(0, start);
     if (pending_.size() >= kMaxLine) {
-      out += prefix_ + pending_ + "\n";
+      out += prefix_ + pending_ + (prefix_.empty() ? "" : "\n");
       pending_.clear();
     }
     write_all(dst_, out);
