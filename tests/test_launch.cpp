@@ -279,7 +279,9 @@ TEST(Launch, RanksDieWithASigkilledLauncher) {
   TempDir dir;
   // `exec`: the recorded pid is the rank process itself, which carries PR_SET_PDEATHSIG.
   const std::string script = R"(echo $$ > "$T/pid.$RANK"; exec sleep 60)";
-  Process p = Process::start(launch_args({"-n", "2", "--", "sh", "-c", script}), options_with_dir(dir.path()));
+  CommandOptions o = options_with_dir(dir.path());
+  o.env.emplace_back("TMPDIR", dir.path());  // a SIGKILLed launcher cannot remove its temp dir
+  Process p = Process::start(launch_args({"-n", "2", "--", "sh", "-c", script}), o);
   ASSERT_TRUE(eventually([&] { return all_files_exist(dir, "pid.", 2); })) << p.wait().describe();
   std::vector<pid_t> pids = read_pids(dir, "pid.", 2);
   p.signal(SIGKILL);
