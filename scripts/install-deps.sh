@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config zlib1g-dev
   libtorch-dev            # libtorch 1.13.1 + c10d (ProcessGroupGloo, TCPStore, FileStore)
+  libgloo-dev             # gloo headers that c10d's ProcessGroupGloo.hpp includes (not pulled in by libtorch-dev)
   libopenblas0-pthread    # libtorch calls libblas.so.3; reference BLAS is 10-20x slower
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
