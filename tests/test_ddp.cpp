@@ -70,7 +70,7 @@ GRADSYNC_WORKER(ddp_equivalence) {
   options.bucket_cap_bytes = 1024;
 
   auto local = make_mlp(0);
-  auto replica = make_mlp(static_cast<uint64_t>(r) * 7919 + 1);  // different per rank: DDP must broadcast rank 0's
+  auto replica = make_mlp(static_cast<uint64_t>(r) * 7919);  // differs per rank: DDP must broadcast rank 0's
   DistributedDataParallel ddp(replica, world, options);
   WORKER_CHECK(max_relative_difference(*replica, *local) == 0, "parameters not broadcast from rank 0");
   auto local_opt = make_optimizer(opt_kind, local);
@@ -155,8 +155,8 @@ TEST(Ddp, MeanAndSumAreToldApart) {
 }
 
 // A model whose second head is used only when asked: args: find_unused (0|1), who uses the head ("none", "odd")
-struct TwoHeads : nn::Module {
-  TwoHeads() {
+struct TwoHeadsImpl : nn::Module {
+  TwoHeadsImpl() {
     torch::manual_seed(3);
     body = register_module("body", nn::Linear(4, 4));
     head = register_module("head", nn::Linear(4, 2));
@@ -168,14 +168,14 @@ struct TwoHeads : nn::Module {
   }
   nn::Linear body{nullptr}, head{nullptr}, spare{nullptr};
 };
-TORCH_MODULE(TwoHeadsModule);
+TORCH_MODULE(TwoHeads);
 
 GRADSYNC_WORKER(ddp_unused) {
   auto world = join();
   DdpOptions options;
   options.find_unused_parameters = args.at(0) == "1";
   const bool use_spare = args.at(1) == "odd" && world->rank() % 2 == 1;
-  TwoHeadsModule model;
+  TwoHeads model;
   DistributedDataParallel ddp(model, world, options);
   auto x = torch::ones({2, 4}) * (world->rank() + 1);
   ddp.forward(x, use_spare).sum().backward();
@@ -185,7 +185,7 @@ GRADSYNC_WORKER(ddp_unused) {
   } else {
     // Used on odd ranks only: the mean gradient is (sum over odd ranks q of g_q) / N, even ranks adding zeros.
     WORKER_CHECK(grad.defined(), "a parameter used on some rank must get a gradient on every rank");
-    TwoHeadsModule reference;  // same seed, same initial parameters as every rank's model
+    TwoHeads reference;  // same seed, same initial parameters as every rank's model
     for (int q = 1; q < world->size(); q += 2) {
       reference->forward(torch::ones({2, 4}) * (q + 1), true).sum().backward();
     }
@@ -241,12 +241,27 @@ TEST(Ddp, ModelMismatchFailsOnEveryRankNamingParameterAndRanks) {
   }
 }
 
+// A minimal batch norm with buffers (running_mean, running_var, num_batches_tracked) that Sequential can hold.
+struct SequentialBatchNormImpl : nn::Module {
+  explicit SequentialBatchNormImpl(int64_t features) {
+    weight = register_parameter("weight", torch::ones({features}));
+    bias = register_parameter("bias", torch::zeros({features}));
+    running_mean = register_buffer("running_mean", torch::zeros({features}));
+    running_var = register_buffer("running_var", torch::ones({features}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::batch_norm(x, weight, bias, running_mean, running_var, is_training(), 0.1, 1e-5, false);
+  }
+  torch::Tensor weight, bias, running_mean, running_var;
+};
+TORCH_MODULE(SequentialBatchNorm);
+
 GRADSYNC_WORKER(ddp_buffers) {
   auto world = join();
   torch::manual_seed(static_cast<uint64_t>(world->rank()) + 11);
-  auto model = nn::Sequential(nn::Linear(3, 4), nn::BatchNorm1d(4), nn::ReLU(), nn::Linear(4, 2));
+  auto model = nn::Sequential(nn::Linear(3, 4), SequentialBatchNorm(4), nn::ReLU(), nn::Linear(4, 2));
   // Distinct buffers per rank before wrapping.
-  auto bn = model->ptr<nn::BatchNormImpl>(1);
+  auto bn = model->ptr<SequentialBatchNormImpl>(1);
   {
     torch::NoGradGuard no_grad;
     bn->running_mean.fill_(world->rank() + 1.0);
