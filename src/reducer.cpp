@@ -46,6 +46,8 @@ struct Reducer::State {
   bool expect_hooks = false;           // a synced forward armed the coming backward
   bool callback_queued = false;
   size_t next_launch = 0;              // buckets launch strictly in index order on every rank
+  bool rebuilt = false;                // the layout follows the observed gradient order (once)
+  std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
   Clock::time_point backward_start;
   BackwardTimeline timeline;
 
@@ -63,6 +65,8 @@ struct Reducer::State {
   std::vector<bool> globally_used(const std::vector<size_t>& unused);
   void write_back(const std::vector<bool>& used_anywhere);
   void reset();
+  void build_buckets(const std::vector<BucketPlan>& layout);
+  void maybe_rebuild_buckets();
 };
 
 namespace {
@@ -137,6 +141,7 @@ void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) 
     callback_queued = true;
     backward_start = Clock::now();
     timeline = BackwardTimeline{};
+    ready_order.clear();
     // Runs once the autograd engine has finished this backward, before backward() returns.
     torch::autograd::Engine::get_default_engine().queue_callback([self] {
       if (auto state = self.lock()) state->finalize();
@@ -148,6 +153,7 @@ void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) 
                                        "twice in one backward; call forward again before another backward",
                                        rank(), names[index]));
   }
+  if (!rebuilt && !options.find_unused_parameters) ready_order.push_back(index);
   copy_into_bucket(index);
   slot.ready = true;
   timeline.last_hook_ms = ms_since_start();
@@ -257,6 +263,43 @@ void Reducer::State::reset() {
   callback_queued = false;
 }
 
+void Reducer::State::build_buckets(const std::vector<BucketPlan>& layout) {
+  torch::NoGradGuard no_grad;
+  buckets.clear();
+  slots.assign(params.size(), Slot{});
+  for (const auto& plan : layout) {
+    Bucket bucket;
+    bucket.flat = torch::zeros({plan.numel}, torch::TensorOptions().dtype(plan.dtype));
+    for (const auto& entry : plan.entries) {
+      auto& slot = slots[entry.param];
+      slot.bucket = buckets.size();
+      slot.view = bucket.flat.narrow(0, entry.offset, entry.numel).view(params[entry.param].sizes());
+      bucket.params.push_back(entry.param);
+      // Gradients that alias the old buckets move into the new ones.
+      auto& grad = params[entry.param].mutable_grad();
+      if (options.gradient_as_bucket_view && grad.defined()) {
+        slot.view.copy_(grad);
+        grad = slot.view;
+      }
+    }
+    bucket.pending = bucket.params.size();
+    buckets.push_back(std::move(bucket));
+  }
+}
+
+// PyTorch rebuilds its buckets once, before the forward that follows the first synchronised backward, in the
+// order gradients became ready; rank 0's order is broadcast so every rank uses the same layout.
+void Reducer::State::maybe_rebuild_buckets() {
+  if (rebuilt || options.find_unused_parameters || ready_order.size() != params.size()) return;
+  auto order = torch::tensor(std::vector<int64_t>(ready_order.begin(), ready_order.end()), torch::kLong);
+  if (size() > 1) world->comm().broadcast(order, /*root=*/0);
+  std::vector<size_t> agreed(params.size());
+  for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[static_cast<int64_t>(i)].item<int64_t>());
+  build_buckets(rebuilt_bucket_layout(params, agreed, options.first_bucket_bytes, options.bucket_cap_bytes));
+  rebuilt = true;
+  ready_order.clear();
+}
+
 Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<World> world, DdpOptions options)
     : state_(std::make_shared<State>()) {
   auto& s = *state_;
@@ -280,19 +323,8 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Worl
   everything.insert(everything.end(), s.buffers.begin(), s.buffers.end());
   comm.broadcast_coalesced(everything, /*root=*/0);
 
-  s.slots.resize(s.params.size());
-  for (const auto& plan : plan_buckets(s.params, options.first_bucket_bytes, options.bucket_cap_bytes)) {
-    State::Bucket bucket;
-    bucket.flat = torch::zeros({plan.numel}, torch::TensorOptions().dtype(plan.dtype));
-    for (const auto& entry : plan.entries) {
-      auto& slot = s.slots[entry.param];
-      slot.bucket = s.buckets.size();
-      slot.view = bucket.flat.narrow(0, entry.offset, entry.numel).view(s.params[entry.param].sizes());
-      bucket.params.push_back(entry.param);
-    }
-    bucket.pending = bucket.params.size();
-    s.buckets.push_back(std::move(bucket));
-  }
+  s.build_buckets(initial_bucket_layout(s.params, options.find_unused_parameters, options.first_bucket_bytes,
+                                        options.bucket_cap_bytes));
   for (size_t i = 0; i < s.params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
     accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, i));
@@ -305,6 +337,7 @@ Reducer::~Reducer() = default;
 void Reducer::before_forward() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
+  if (torch::GradMode::is_enabled() && !s.callback_queued) s.maybe_rebuild_buckets();
   if (s.options.broadcast_buffers && s.require_forward_param_sync && !s.buffers.empty() && s.size() > 1) {
     s.world->comm().broadcast_coalesced(s.buffers, /*root=*/0);
   }

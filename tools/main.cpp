@@ -3,6 +3,7 @@
 #include <exception>
 
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 
 #include "commands.h"
@@ -17,6 +18,10 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const c10::Error& e) {
+    // libtorch's own errors carry a C++ backtrace that helps nobody running the CLI.
+    fmt::print(stderr, "gradsync: error: {}\n", e.what_without_backtrace());
+    return 1;
   } catch (const std::exception& e) {
     // Library code throws; only the CLI turns an error into an exit status.
     fmt::print(stderr, "gradsync: error: {}\n", e.what());

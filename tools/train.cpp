@@ -191,7 +191,14 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
         return compute_loss(c, output, data.targets.index_select(0, idx));
       };
       // accumulate() divides each micro-batch loss by the group size: .grad sums (see accumulate.h).
-      record.loss = ddp ? accumulate(*ddp, group, micro_loss) : accumulate(group, micro_loss);
+      try {
+        record.loss = ddp ? accumulate(*ddp, group, micro_loss) : accumulate(group, micro_loss);
+      } catch (const c10::Error& e) {
+        // e.g. BatchNorm1d given a 1-sample micro-batch: say where, and what to change.
+        throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
+                                      "--accumulate or --world-size so that no micro-batch is degenerate)",
+                                      rank, step, epoch, b, e.what_without_backtrace()));
+      }
       optimizer->step();
       if (ddp) {
         ddp->zero_grad();
