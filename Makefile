@@ -20,8 +20,9 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j 2
 
+# The lab: loss vs batch size, accumulation and DDP at 1, 2 and 4 ranks on Fashion-MNIST; report in lab-report/.
 demo: build
-	$(BUILD)/gradsync launch -n 4 -- $(BUILD)/examples/sum_vs_mean
+	$(BUILD)/gradsync lab
 
 clean:
 	rm -rf $(BUILD)

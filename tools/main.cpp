@@ -1,4 +1,4 @@
-// The `gradsync` command line: dispatches to one subcommand per file (launch.cpp, train.cpp, ...).
+// The `gradsync` command line: dispatches to one subcommand per file (launch.cpp, train.cpp, lab.cpp, ...).
 #include <cstdio>
 #include <exception>
 
@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   gradsync::cli::add_launch_command(app, exit_code);
   gradsync::cli::add_train_command(app, exit_code);
+  gradsync::cli::add_lab_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,159 @@
+// `gradsync lab --quick --json` end to end (tools/lab*.cpp): the real CLI on Fashion-MNIST, starting its own DDP
+// ranks. The test asserts what the lab measured, not only that it ran: DDP's gradient is the single-process mean
+// at every world size and (N >= 2) not the sum; K backward passes sum; the loss is a per-sample mean; uneven
+// per-rank batches give the mean of the per-rank means; the plots are real PNG files.
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support/subprocess.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace t = gradsync::test;
+
+// The parts of one lab run's JSON, checked one by one (one lab run: ctest runs every TEST in its own process).
+void check_ddp(const nlohmann::json& json) {
+  const double tol = json.at("tolerance").get<double>();
+  EXPECT_EQ(tol, 1e-5);
+  std::set<int> seen;
+  for (const auto& d : json.at("ddp")) {
+    const int n = d.at("world_size").get<int>();
+    seen.insert(n);
+    SCOPED_TRACE("world size " + std::to_string(n));
+    EXPECT_EQ(d.at("verdict"), "mean");
+    EXPECT_LT(d.at("max_abs_diff_to_mean").get<double>(), tol);
+    EXPECT_LT(d.at("max_abs_diff_between_ranks").get<double>(), tol);
+    const auto ranks = d.at("ranks");
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(n));
+    if (n == 1) {
+      // One rank: the sum of one gradient is that gradient; the lab must say so, not claim to reject the sum.
+      EXPECT_EQ(d.at("note"), "N=1: sum = mean");
+      EXPECT_EQ(d.at("max_abs_diff_to_sum").get<double>(), d.at("max_abs_diff_to_mean").get<double>());
+      continue;
+    }
+    EXPECT_GT(d.at("max_abs_diff_to_sum").get<double>(), tol);
+    // The sum is N times the mean: the probe element shows it.
+    EXPECT_NEAR(d.at("probe").at("sum").get<double>(), n * d.at("probe").at("mean").get<double>(), 1e-6);
+    for (const auto& r : ranks) {
+      // Before synchronisation each rank holds its own shard's gradient, visibly different from the mean...
+      EXPECT_GT(r.at("before_sync").at("max_abs_diff_to_mean").get<double>(), tol);
+      EXPECT_LT(r.at("before_sync").at("max_abs_diff_to_own_shard").get<double>(), tol);
+      // ...and after it, the mean.
+      EXPECT_LT(r.at("after_sync").at("max_abs_diff_to_mean").get<double>(), tol);
+      EXPECT_EQ(r.at("samples").get<int64_t>(), d.at("global_batch").get<int64_t>() / n);
+    }
+  }
+  EXPECT_EQ(seen, (std::set<int>{1, 2, 4}));
+}
+
+void check_accumulation(const nlohmann::json& json) {
+  const auto& a = json.at("accumulation");
+  const double k = a.at("micro_batches").get<double>();
+  EXPECT_EQ(k, 4);
+  EXPECT_EQ(a.at("raw_verdict"), "sum");
+  EXPECT_NEAR(a.at("raw_ratio").get<double>(), k, 1e-4);
+  EXPECT_LT(a.at("raw_max_abs_diff_to_sum").get<double>(), 1e-5);
+  EXPECT_GT(a.at("raw_max_abs_diff_to_mean").get<double>(), 1e-5);
+  EXPECT_EQ(a.at("scaled_verdict"), "mean");
+  EXPECT_LT(a.at("scaled_max_abs_diff_to_mean").get<double>(), 1e-6);
+}
+
+void check_loss(const nlohmann::json& json) {
+  const auto& l = json.at("loss_vs_batch");
+  EXPECT_EQ(l.at("verdict"), "per-sample mean");
+  std::set<int64_t> batches;
+  for (const auto& run : l.at("runs")) {
+    const auto b = run.at("batch").get<int64_t>();
+    batches.insert(b);
+    // Cross-entropy over 10 classes from a fresh model: about ln 10 = 2.30 per sample, at every B.
+    EXPECT_NEAR(run.at("step0_loss").get<double>(), 2.30, 0.1) << "B = " << b;
+    EXPECT_NEAR(run.at("sum_over_mean").get<double>(), static_cast<double>(b), 0.01 * static_cast<double>(b));
+    EXPECT_EQ(run.at("losses").size(), l.at("steps").get<size_t>());
+    EXPECT_LT(run.at("final_loss").get<double>(), run.at("step0_loss").get<double>()) << "training did not train";
+  }
+  EXPECT_EQ(batches, (std::set<int64_t>{256, 1024, 4096}));
+}
+
+void check_uneven(const nlohmann::json& json) {
+  ASSERT_EQ(json.at("uneven").size(), 2u);  // world sizes 2 and 4
+  for (const auto& u : json.at("uneven")) {
+    EXPECT_EQ(u.at("verdict"), "mean of per-rank means");
+    EXPECT_LT(u.at("max_abs_diff_to_mean_of_rank_means").get<double>(), 1e-5);
+    EXPECT_GT(u.at("max_abs_diff_to_sample_mean").get<double>(), 1e-5);
+  }
+  EXPECT_EQ(json.at("sharded").at("status"), "not available yet");
+}
+
+void check_files(const nlohmann::json& json, const std::string& dir) {
+  auto report = [&](const std::string& name) { return dir + "/" + name; };
+  ASSERT_TRUE(json.at("plots").at("rendered").get<bool>()) << json.at("plots").dump();
+  for (const char* png : {"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png"}) {
+    std::ifstream in(report(png), std::ios::binary);
+    ASSERT_TRUE(in) << png;
+    std::string head(8, '\0');
+    in.read(head.data(), 8);
+    EXPECT_EQ(head, std::string("\x89PNG\r\n\x1a\n", 8)) << png;
+  }
+  for (const char* file : {"report.md", "results.json", "loss_curves.csv", "ddp.csv", "ddp_ranks.csv", "plots.gp"}) {
+    EXPECT_TRUE(fs::exists(report(file))) << file;
+  }
+  std::ifstream md(report("report.md"));
+  std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("## Answer"), std::string::npos);
+  EXPECT_NE(text.find("## 답변"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(report("results.json"))).at("ddp"), json.at("ddp"));
+}
+
+TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
+  const auto dir = t::make_temp_dir("gradsync-test-lab-");
+  t::CommandOptions options;
+  options.timeout = std::chrono::seconds(240);
+  const auto out = dir + "/report";
+  auto run = t::run({GRADSYNC_BIN, "lab", "--quick", "--json", "--out", out}, options);
+  ASSERT_TRUE(run.ok()) << run.describe();
+  const auto json = nlohmann::json::parse(run.out, nullptr, /*allow_exceptions=*/false);
+  ASSERT_FALSE(json.is_discarded()) << "stdout is not one JSON document:\n" << run.out.substr(0, 2000);
+  EXPECT_NE(run.err.find("[lab] DDP, world size 4"), std::string::npos) << "no progress on stderr:\n" << run.err;
+  {
+    SCOPED_TRACE("loss vs batch size");
+    check_loss(json);
+  }
+  {
+    SCOPED_TRACE("accumulation");
+    check_accumulation(json);
+  }
+  {
+    SCOPED_TRACE("DDP");
+    check_ddp(json);
+  }
+  {
+    SCOPED_TRACE("uneven");
+    check_uneven(json);
+  }
+  {
+    SCOPED_TRACE("files");
+    check_files(json, out);
+  }
+  std::error_code ignored;
+  fs::remove_all(dir, ignored);
+}
+
+TEST(LabCli, RejectsBadWorldSizes) {
+  auto r = t::run({GRADSYNC_BIN, "lab", "--quick", "--world-sizes", "0,2"});
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_NE(r.err.find("--world-sizes: 0 is out of range"), std::string::npos) << r.err;
+}
+
+TEST(LabCli, RankSubcommandIsHidden) {
+  auto r = t::run({GRADSYNC_BIN, "--help"});
+  EXPECT_NE(r.out.find("lab"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("lab-rank"), std::string::npos) << r.out;
+}
+
+}  // namespace
