@@ -35,6 +35,13 @@ std::string Collectives::describe(const char* op, const torch::Tensor* tensor, c
                      detail ? fmt::format(" ({})", detail) : std::string(), shape);
 }
 
+void Collectives::reject_global_mean(Reduction reduction, const char* op) const {
+  if (reduction == Reduction::GlobalMean) {
+    throw ConfigError(fmt::format("rank {}: {} cannot compute a global mean from tensors alone: it needs item "
+                                  "counts (reduce with Sum and divide by the allreduced count)", rank_, op));
+  }
+}
+
 void Collectives::check_contiguous(const torch::Tensor& t, const char* op) const {
   if (!t.is_contiguous()) {
     throw ConfigError(fmt::format("rank {}: {} needs a contiguous tensor", rank_, op));
@@ -42,6 +49,7 @@ void Collectives::check_contiguous(const torch::Tensor& t, const char* op) const
 }
 
 void Collectives::allreduce(torch::Tensor& tensor, Reduction reduction) {
+  reject_global_mean(reduction, "allreduce");
   if (reduction == Reduction::Mean && size_ > 1) {
     // See Note [Where the division happens]: scale by 1/N first, exactly like a DDP bucket copy.
     tensor.mul_(1.0 / size_);
@@ -102,6 +110,7 @@ void Collectives::allgather_flat(const torch::Tensor& input, torch::Tensor& outp
 }
 
 void Collectives::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction) {
+  reject_global_mean(reduction, "reduce_scatter");
   check_contiguous(input, "reduce_scatter");
   const int64_t n = output.numel();
   if (input.numel() != n * size_) {

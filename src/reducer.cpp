@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -48,6 +49,7 @@ struct Reducer::State {
   size_t next_launch = 0;              // buckets launch strictly in index order on every rank
   bool rebuilt = false;                // the layout follows the observed gradient order (once)
   std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
+  std::optional<int64_t> global_items; // Reduction::GlobalMean: items in this step over all ranks
   Clock::time_point backward_start;
   BackwardTimeline timeline;
 
@@ -60,7 +62,8 @@ struct Reducer::State {
   void mark_ready(size_t index, const std::weak_ptr<State>& self);
   void copy_into_bucket(size_t index);
   void launch_ready_buckets();
-  void finalize();
+  void finalize(bool joined);
+  double bucket_scale() const;
   std::vector<size_t> zero_unused();
   std::vector<bool> globally_used(const std::vector<size_t>& unused);
   void write_back(const std::vector<bool>& used_anywhere);
@@ -138,13 +141,19 @@ void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) 
   std::lock_guard<std::mutex> lock(mutex);
   if (!expect_hooks) return;  // no_sync, or no synced forward armed this backward
   if (!callback_queued) {
+    if (options.reduction == Reduction::GlobalMean && !global_items) {
+      throw ConfigError(fmt::format(
+          "DistributedDataParallel on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
+          "before the synchronising backward; use gradsync::accumulate_global_mean() or "
+          "Reducer::set_global_item_count()", rank()));
+    }
     callback_queued = true;
     backward_start = Clock::now();
     timeline = BackwardTimeline{};
     ready_order.clear();
     // Runs once the autograd engine has finished this backward, before backward() returns.
     torch::autograd::Engine::get_default_engine().queue_callback([self] {
-      if (auto state = self.lock()) state->finalize();
+      if (auto state = self.lock()) state->finalize(/*joined=*/false);
     });
   }
   auto& slot = slots[index];
@@ -160,14 +169,24 @@ void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) 
   if (--buckets[slot.bucket].pending == 0) launch_ready_buckets();
 }
 
+// The factor folded into the copy of .grad into its bucket (see Note [Where the division happens]).
+double Reducer::State::bucket_scale() const {
+  switch (options.reduction) {
+    case Reduction::Mean: return 1.0 / size();
+    case Reduction::Sum: return 1.0;
+    case Reduction::GlobalMean: return *global_items > 0 ? 1.0 / static_cast<double>(*global_items) : 0.0;
+  }
+  return 1.0;
+}
+
 void Reducer::State::copy_into_bucket(size_t index) {
   torch::NoGradGuard no_grad;
   const auto& grad = params[index].grad();
   auto& view = slots[index].view;
   const bool aliased = grad.defined() && grad.data_ptr() == view.data_ptr();
-  if (options.reduction == Reduction::Mean && size() > 1) {
-    // See Note [Where the division happens]: x 1/N folded into the copy, one pass over the gradient.
-    const double scale = 1.0 / size();
+  const double scale = bucket_scale();
+  if (scale != 1.0) {
+    // One pass over the gradient: the scaling happens while copying, as in PyTorch DDP.
     if (aliased) {
       view.mul_(scale);
     } else {
@@ -228,7 +247,8 @@ void Reducer::State::write_back(const std::vector<bool>& used_anywhere) {
   }
 }
 
-void Reducer::State::finalize() {
+// Ends a synchronised backward (joined: this rank had no data and contributes zeros for every parameter).
+void Reducer::State::finalize(bool joined) {
   std::lock_guard<std::mutex> lock(mutex);
   timeline.finalize_ms = ms_since_start();
   auto unused = zero_unused();
@@ -241,7 +261,7 @@ void Reducer::State::finalize() {
     throw;
   }
   reset();
-  if (!unused.empty() && !options.find_unused_parameters) {
+  if (!joined && !unused.empty() && !options.find_unused_parameters) {
     std::vector<std::string> unused_names;
     for (size_t i : unused) unused_names.push_back(names[i]);
     throw DistributedError(fmt::format(
@@ -261,6 +281,7 @@ void Reducer::State::reset() {
   next_launch = 0;
   expect_hooks = false;
   callback_queued = false;
+  global_items.reset();
 }
 
 void Reducer::State::build_buckets(const std::vector<BucketPlan>& layout) {
@@ -357,6 +378,27 @@ void Reducer::after_forward() {
     s.expect_hooks = false;
   }
 }
+
+void Reducer::join_backward() {
+  auto& s = *state_;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (!s.expect_hooks) {
+      throw ConfigError(fmt::format("rank {}: join_backward() needs a preceding synchronised after_forward()",
+                                    s.rank()));
+    }
+    s.backward_start = Clock::now();
+    s.timeline = BackwardTimeline{};
+  }
+  s.finalize(/*joined=*/true);
+}
+
+void Reducer::set_global_item_count(int64_t items) {
+  if (items < 0) throw ConfigError(fmt::format("global item count {} is invalid; expected >= 0", items));
+  state_->global_items = items;
+}
+
+World& Reducer::world() { return *state_->world; }
 
 bool Reducer::require_sync() const { return state_->require_backward_sync; }
 void Reducer::set_require_sync(bool sync) { state_->require_backward_sync = sync; }

@@ -9,6 +9,7 @@ const char* to_string(Reduction reduction) {
   switch (reduction) {
     case Reduction::Mean: return "mean";
     case Reduction::Sum: return "sum";
+    case Reduction::GlobalMean: return "global-mean";
   }
   return "?";
 }
@@ -16,7 +17,8 @@ const char* to_string(Reduction reduction) {
 Reduction parse_reduction(const std::string& text) {
   if (text == "mean") return Reduction::Mean;
   if (text == "sum") return Reduction::Sum;
-  throw ConfigError("reduction '" + text + "' is not known; expected 'mean' or 'sum'");
+  if (text == "global-mean") return Reduction::GlobalMean;
+  throw ConfigError("reduction '" + text + "' is not known; expected 'mean', 'sum' or 'global-mean'");
 }
 
 }  // namespace gradsync

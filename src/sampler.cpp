@@ -42,6 +42,19 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t num_replica
   num_samples_ = samples_per_replica(dataset_size, num_replicas, drop_last);
 }
 
+DistributedSampler DistributedSampler::without_padding(int64_t dataset_size, int64_t num_replicas, int64_t rank,
+                                                       bool shuffle, uint64_t seed) {
+  DistributedSampler sampler(dataset_size, num_replicas, rank, shuffle, seed, /*drop_last=*/false);
+  sampler.pad_ = false;
+  sampler.num_samples_ = sampler.num_samples_of(rank);
+  return sampler;
+}
+
+int64_t DistributedSampler::num_samples_of(int64_t rank) const {
+  if (pad_) return num_samples_;
+  return rank < dataset_size_ ? ceil_div(dataset_size_ - rank, num_replicas_) : 0;  // positions r, r+N, ... < n
+}
+
 std::vector<int64_t> DistributedSampler::indices() const {
   std::vector<int64_t> all(static_cast<size_t>(dataset_size_));
   if (shuffle_) {

@@ -75,6 +75,35 @@ void write_atomically(const std::vector<char>& bytes, const std::string& path) {
   fsync_directory_of(path);
 }
 
+uint64_t little_endian(const std::vector<char>& b, size_t at, size_t width) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < width; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
+  return v;
+}
+
+// libtorch 1.13's pickle_load reads a truncated zip past the end of its buffer (and may then "load" it). Check the
+// zip's end records and central-directory bounds first, so a torn or foreign file is refused before parsing.
+bool zip_structure_ok(const std::vector<char>& b) {
+  constexpr size_t kEocd = 22;
+  if (b.size() < kEocd) return false;
+  const size_t lowest = b.size() >= kEocd + 65535 ? b.size() - kEocd - 65535 : 0;
+  for (size_t p = b.size() - kEocd + 1; p-- > lowest;) {
+    if (little_endian(b, p, 4) != 0x06054b50) continue;
+    if (p + kEocd + little_endian(b, p + 20, 2) != b.size()) return false;  // the record must end the file
+    uint64_t cd_size = little_endian(b, p + 12, 4), cd_offset = little_endian(b, p + 16, 4);
+    size_t cd_end_limit = p;
+    if (p >= 20 && little_endian(b, p - 20, 4) == 0x07064b50) {  // zip64: the real figures are elsewhere
+      const uint64_t z = little_endian(b, p - 20 + 8, 8);
+      if (z + 56 > p - 20 || little_endian(b, static_cast<size_t>(z), 4) != 0x06064b50) return false;
+      cd_size = little_endian(b, static_cast<size_t>(z) + 40, 8);
+      cd_offset = little_endian(b, static_cast<size_t>(z) + 48, 8);
+      cd_end_limit = static_cast<size_t>(z);
+    }
+    return cd_offset <= cd_end_limit && cd_size <= cd_end_limit - cd_offset;
+  }
+  return false;
+}
+
 }  // namespace
 
 StateDict state_dict(const torch::nn::Module& module) {
@@ -93,6 +122,10 @@ StateDict load_state_dict(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError(fmt::format("cannot open state file '{}': {}", path, std::strerror(errno)));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (!zip_structure_ok(bytes)) {
+    throw ConfigError(fmt::format("state file '{}' is truncated or not a torch.save zip file ({} bytes; save it "
+                                  "with torch.save(dict(model.state_dict()), path))", path, bytes.size()));
+  }
   c10::IValue value;
   try {
     value = torch::pickle_load(bytes);

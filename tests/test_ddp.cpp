@@ -105,6 +105,10 @@ struct DdpCase {
   int bucket_view;
 };
 
+void PrintTo(const DdpCase& c, std::ostream* os) {
+  *os << fmt::format("N={} K={} {}{}", c.world, c.k, c.optimizer, c.bucket_view ? " bucket-view" : "");
+}
+
 class DdpEquivalence : public testing::TestWithParam<DdpCase> {};
 
 TEST_P(DdpEquivalence, MatchesOneProcessOnTheGlobalBatchAfterEveryStep) {

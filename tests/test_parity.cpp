@@ -81,6 +81,8 @@ t::ProcessResult run_case(const ParityCase& c, const std::string& dir, const std
 
 }  // namespace
 
+void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
+
 class Parity : public testing::TestWithParam<ParityCase> {};
 
 TEST_P(Parity, FinalParametersAndLossesMatchPyTorchDdp) {

@@ -19,12 +19,13 @@
 #include "gradsync/state_dict.h"
 #include "launch.h"
 #include "models.h"
+#include "schedule.h"
+#include "train_step.h"
 
 namespace gradsync::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using Ddp = DistributedDataParallel<torch::nn::Sequential>;
 
 bool under_launcher() {
   return process_env("RANK") || process_env("WORLD_SIZE") || process_env("OMPI_COMM_WORLD_RANK");
@@ -38,29 +39,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, to
   return std::make_unique<torch::optim::SGD>(
       model->parameters(),
       torch::optim::SGDOptions(c.lr.value_or(0.01)).momentum(c.momentum.value_or(0)).weight_decay(c.weight_decay));
-}
-
-torch::Tensor compute_loss(const TrainConfig& c, const torch::Tensor& output, const torch::Tensor& target) {
-  namespace F = torch::nn::functional;
-  const bool mean = c.loss_reduction == "mean";
-  if (c.loss == "mse") {
-    return mean ? F::mse_loss(output, target, F::MSELossFuncOptions(torch::kMean))
-                : F::mse_loss(output, target, F::MSELossFuncOptions(torch::kSum));
-  }
-  return mean ? F::cross_entropy(output, target, F::CrossEntropyFuncOptions().reduction(torch::kMean))
-              : F::cross_entropy(output, target, F::CrossEntropyFuncOptions().reduction(torch::kSum));
-}
-
-// One epoch's micro-batches on this rank: consecutive chunks of b sampler indices, the last one possibly short
-// (a Python DataLoader(batch_size=b, drop_last=False) over the sampler).
-std::vector<torch::Tensor> micro_batches(const DistributedSampler& sampler, int64_t b) {
-  auto indices = sampler.indices();
-  auto all = torch::tensor(indices, torch::kLong);
-  std::vector<torch::Tensor> out;
-  for (int64_t start = 0; start < all.numel(); start += b) {
-    out.push_back(all.narrow(0, start, std::min(b, all.numel() - start)));
-  }
-  return out;
 }
 
 class StepLog {
@@ -97,19 +75,9 @@ class Progress {
   int64_t total_;
 };
 
-int64_t total_steps(const TrainConfig& c, int64_t micro_per_epoch) {
-  const int64_t steps_per_epoch = (micro_per_epoch + c.accumulate - 1) / c.accumulate;
+int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
   if (c.steps) return *c.steps;
   return c.epochs.value_or(1) * steps_per_epoch;
-}
-
-// Mean over ranks of the step loss and total samples, in float64 (one 16-byte allreduce per step).
-void reduce_record(const std::shared_ptr<World>& world, StepRecord& record) {
-  if (!world || world->size() == 1) return;
-  auto t = torch::tensor({record.loss, static_cast<double>(record.samples)}, torch::kDouble);
-  world->comm().allreduce(t, Reduction::Sum);
-  record.loss = t[0].item<double>() / world->size();
-  record.samples = static_cast<int64_t>(std::llround(t[1].item<double>()));
 }
 
 }  // namespace
@@ -141,12 +109,24 @@ void validate(const TrainConfig& c, int world_size) {
   if (c.accumulate < 1) throw ConfigError(fmt::format("--accumulate {} is invalid; expected >= 1", c.accumulate));
   if (c.steps && *c.steps < 0) throw ConfigError(fmt::format("--steps {} is invalid; expected >= 0", *c.steps));
   if (c.epochs && *c.epochs < 0) throw ConfigError(fmt::format("--epochs {} is invalid; expected >= 0", *c.epochs));
-  const int64_t ranks_times_k = world_size * c.accumulate;
+  const int64_t ranks_times_k = std::max(world_size, c.replay_ranks) * c.accumulate;
   if (c.global_batch % ranks_times_k != 0) {
     throw ConfigError(fmt::format(
         "--global-batch {} is not divisible by world size {} x accumulate {} = {}: each rank's micro-batch is "
         "B/(N*K) samples; choose B as a multiple of {}",
-        c.global_batch, world_size, c.accumulate, ranks_times_k, ranks_times_k));
+        c.global_batch, std::max(world_size, c.replay_ranks), c.accumulate, ranks_times_k, ranks_times_k));
+  }
+  if (c.reduction == "global-mean" && c.loss_reduction != "mean") {
+    throw ConfigError("--reduction global-mean divides the summed per-sample losses by the step's sample count "
+                      "itself; use it with --loss-reduction mean");
+  }
+  if (c.replay_ranks != 0 && (c.strategy != "local" || c.replay_ranks < 1)) {
+    throw ConfigError(fmt::format("--replay-ranks {} is invalid; expected an integer >= 1 with --strategy local",
+                                  c.replay_ranks));
+  }
+  if (c.verify_every < 0 || (c.verify_every > 0 && c.strategy == "local")) {
+    throw ConfigError(fmt::format("--verify-every {} is invalid; expected >= 0, with a data-parallel strategy",
+                                  c.verify_every));
   }
   if (c.timeout_seconds <= 0) throw ConfigError(fmt::format("--timeout {} is invalid; expected > 0", c.timeout_seconds));
 }
@@ -169,50 +149,50 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   }
   model->train();
   auto optimizer = make_optimizer(c, model);
-  const int64_t b = c.global_batch / (n * c.accumulate);
-  DistributedSampler sampler(data.size(), n, rank, c.shuffle, c.seed, /*drop_last=*/false);
-  const int64_t micro_per_epoch = (sampler.num_samples() + b - 1) / b;
-  const int64_t steps = total_steps(c, micro_per_epoch);
+  // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
+  const int ranks = world ? n : std::max(c.replay_ranks, 1);
+  const int64_t b = c.global_batch / (ranks * c.accumulate);
+  BatchSchedule schedule(data.size(), ranks, b, c.accumulate, c.shuffle, c.seed, !c.no_pad);
+  const int64_t steps = total_steps(c, schedule.steps_per_epoch());
+  StepContext ctx{c, data, model, ddp.get(), world, parse_reduction(c.reduction)};
 
   StepLog log(c.log, rank == 0);
   Progress progress(rank == 0 && !c.quiet && (isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS")), steps);
   std::vector<StepRecord> records;
   for (int64_t step = 0, epoch = 0; step < steps; ++epoch) {
-    sampler.set_epoch(epoch);
-    auto batches = micro_batches(sampler, b);
-    for (size_t done = 0; done < batches.size() && step < steps; ++step) {
+    schedule.set_epoch(epoch);
+    for (int64_t s = 0; s < schedule.steps_per_epoch() && step < steps; ++s, ++step) {
       const auto start = Clock::now();
-      const auto group = static_cast<int64_t>(std::min<size_t>(static_cast<size_t>(c.accumulate), batches.size() - done));
       StepRecord record{step, epoch, 0, 0, 0};
-      auto micro_loss = [&](int64_t k) {
-        const auto& idx = batches[done + static_cast<size_t>(k)];
-        record.samples += idx.numel();
-        auto output = ddp ? ddp->forward(data.inputs.index_select(0, idx)) : model->forward(data.inputs.index_select(0, idx));
-        return compute_loss(c, output, data.targets.index_select(0, idx));
-      };
-      // accumulate() divides each micro-batch loss by the group size: .grad sums (see accumulate.h).
       try {
-        record.loss = ddp ? accumulate(*ddp, group, micro_loss) : accumulate(group, micro_loss);
+        if (ddp) {
+          run_ddp_step(ctx, schedule.step(rank, s), record);
+        } else {
+          std::vector<std::vector<torch::Tensor>> all;
+          for (int r = 0; r < ranks; ++r) all.push_back(schedule.step(r, s));
+          run_local_step(ctx, all, record);
+        }
       } catch (const c10::Error& e) {
         // e.g. BatchNorm1d given a 1-sample micro-batch: say where, and what to change.
         throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
                                       "--accumulate or --world-size so that no micro-batch is degenerate)",
                                       rank, step, epoch, b, e.what_without_backtrace()));
       }
+      const bool verify = ddp && c.verify_every > 0 && step % c.verify_every == 0;
+      if (verify) verify_gradient(ctx, schedule.step(rank, s), step);
       optimizer->step();
       if (ddp) {
         ddp->zero_grad();
       } else {
         model->zero_grad(/*set_to_none=*/false);
       }
-      done += static_cast<size_t>(group);
-      reduce_record(world, record);
+      if (verify) verify_replicas(ctx, step);
       record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
       log.write(record);
       progress.update(record);
       records.push_back(record);
     }
-    if (batches.empty()) break;
+    if (schedule.steps_per_epoch() == 0) break;
   }
   if (rank == 0 && !c.save_state.empty()) save_state_dict(state_dict(*model), c.save_state);
   if (world && n > 1) world->comm().barrier();  // no rank exits while another still needs it
@@ -308,12 +288,22 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--weight-decay", c.weight_decay, "L2 weight decay (default 0)");
   cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse");
   cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples");
-  cmd->add_option("--reduction", c.reduction, "mean (PyTorch DDP) or sum of the ranks' gradients");
+  cmd->add_option("--reduction", c.reduction,
+                  "mean (PyTorch DDP: 1/N of the sum), sum, or global-mean (1/T of the sum of per-sample gradients, "
+                  "T = samples in the step over all ranks and micro-batches)");
   auto* steps = cmd->add_option("--steps", c.steps, "optimizer steps in total (crossing epochs)");
   auto* epochs = cmd->add_option("--epochs", c.epochs, "whole epochs (default 1)");
   steps->excludes(epochs);
   cmd->add_option("--seed", c.seed, "seed of the model, the sampler and synthetic data (default 0)");
   cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "shuffle every epoch (default) or not");
+  cmd->add_flag("--no-pad", c.no_pad, "every sample exactly once per epoch (ranks may get uneven counts, even 0)");
+  cmd->add_option("--replay-ranks", c.replay_ranks,
+                  "with --strategy local: train one process on exactly the global batches of N ranks (a reference)");
+  cmd->add_option("--verify-every", c.verify_every,
+                  "every S steps: recompute the step's gradient in one process on rank 0 and compare; check that all "
+                  "ranks hold identical parameters (off by default; costs one extra forward/backward of the global "
+                  "batch on rank 0)");
+  cmd->add_option("--inject-fault", c.inject_fault, "tests only: grad@STEP or diverge@STEP")->group("");
   cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(dict(model.state_dict()), FILE)");
   cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
   cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");

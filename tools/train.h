@@ -24,11 +24,15 @@ struct TrainConfig {
   double weight_decay = 0;
   std::string loss = "ce";              // ce | mse
   std::string loss_reduction = "mean";  // mean | sum: how one micro-batch's loss combines its samples
-  std::string reduction = "mean";       // mean | sum: how ranks' gradients combine (PyTorch DDP: mean)
+  std::string reduction = "mean";       // mean | sum | global-mean: how ranks' gradients combine (PyTorch: mean)
   std::optional<int64_t> steps;
   std::optional<int64_t> epochs;
   uint64_t seed = 0;
   bool shuffle = true;
+  bool no_pad = false;            // every sample once per epoch; ranks may hold uneven counts
+  int replay_ranks = 0;           // local only: train on exactly the global batches of this many ranks
+  int64_t verify_every = 0;       // ddp only: every S steps, recompute the gradient in one process and compare
+  std::string inject_fault;       // tests only: "grad@STEP" or "diverge@STEP"
   std::string init_state;
   std::string save_state;
   std::string log;

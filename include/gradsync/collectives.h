@@ -54,6 +54,7 @@ class Collectives {
  private:
   std::string describe(const char* op, const torch::Tensor* tensor, const char* detail = nullptr);
   void check_contiguous(const torch::Tensor& t, const char* op) const;
+  void reject_global_mean(Reduction reduction, const char* op) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_;

@@ -49,6 +49,15 @@ class Reducer {
   void before_forward();  // broadcasts buffers when PyTorch would
   void after_forward();   // arms the hooks for the coming backward, unless syncing is off
 
+  // For a rank with no data in a step (uneven inputs): after before_forward() and after_forward() without a
+  // real forward, takes part in the step's bucket allreduces with zero gradients, so the other ranks neither
+  // wait nor see a different sequence of collectives. .grad then holds the reduced gradient like everywhere.
+  void join_backward();
+  // Reduction::GlobalMean: the number of items (samples, tokens) in this step over all ranks and micro-batches;
+  // must be set before the synchronising backward (accumulate_global_mean() does it). Cleared after it.
+  void set_global_item_count(int64_t items);
+  World& world();
+
   bool require_sync() const;
   void set_require_sync(bool sync);
   // Zeroes gradients in place (works when .grad is a view of a bucket, where Optimizer::zero_grad() throws).
