@@ -27,6 +27,8 @@ struct ParityCase {
   std::vector<std::string> extra;  // same flags for both sides
 };
 
+void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
+
 t::CommandOptions options() {
   t::CommandOptions o;
   o.timeout = std::chrono::seconds(240);
@@ -80,8 +82,6 @@ t::ProcessResult run_case(const ParityCase& c, const std::string& dir, const std
 }
 
 }  // namespace
-
-void PrintTo(const ParityCase& c, std::ostream* os) { *os << c.name; }
 
 class Parity : public testing::TestWithParam<ParityCase> {};
 
