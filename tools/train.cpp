@@ -15,11 +15,14 @@
 #include "gradsync/accumulate.h"
 #include "gradsync/ddp.h"
 #include "gradsync/error.h"
+#include "gradsync/memory.h"
 #include "gradsync/sampler.h"
 #include "gradsync/state_dict.h"
+#include "gradsync/traffic.h"
 #include "launch.h"
 #include "models.h"
 #include "schedule.h"
+#include "sharded_training.h"
 #include "train_step.h"
 
 namespace gradsync::cli {
@@ -31,13 +34,14 @@ bool under_launcher() {
   return process_env("RANK") || process_env("WORLD_SIZE") || process_env("OMPI_COMM_WORLD_RANK");
 }
 
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, torch::nn::Sequential& model) {
+// Over the model's parameters, or this rank's shards of them (sharded strategies).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, const std::vector<torch::Tensor>& params) {
   if (c.optimizer == "adam") {
     return std::make_unique<torch::optim::Adam>(
-        model->parameters(), torch::optim::AdamOptions(c.lr.value_or(1e-3)).weight_decay(c.weight_decay));
+        params, torch::optim::AdamOptions(c.lr.value_or(1e-3)).weight_decay(c.weight_decay));
   }
   return std::make_unique<torch::optim::SGD>(
-      model->parameters(),
+      params,
       torch::optim::SGDOptions(c.lr.value_or(0.01)).momentum(c.momentum.value_or(0)).weight_decay(c.weight_decay));
 }
 
@@ -52,6 +56,8 @@ class StepLog {
     if (!file_.is_open()) return;
     nlohmann::json line{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"samples", r.samples},
                         {"seconds", r.seconds}};
+    if (r.memory_peak >= 0) line["memory_peak"] = r.memory_peak;
+    if (r.sent_bytes >= 0) line["sent_bytes"] = r.sent_bytes;
     file_ << line.dump() << "\n" << std::flush;
   }
 
@@ -86,9 +92,11 @@ void validate(const TrainConfig& c, int world_size) {
   parse_model_spec(c.model);
   parse_loss_kind(c.loss);
   parse_reduction(c.reduction);
-  if (c.strategy != "local" && c.strategy != "ddp") {
-    throw ConfigError(fmt::format("--strategy {} is not known; expected local or ddp", c.strategy));
+  if (c.strategy != "local" && c.strategy != "ddp" && !is_sharded_strategy(c.strategy)) {
+    throw ConfigError(fmt::format("--strategy {} is not known; expected local, ddp, fsdp-full, fsdp-grad-op, "
+                                  "fsdp-no-shard or zero1", c.strategy));
   }
+  validate_sharding_flags(c);
   if (c.strategy == "local" && world_size > 1) {
     throw ConfigError(fmt::format("--strategy local runs one process, but the world size is {}; use --strategy "
                                   "ddp or drop --world-size", world_size));
@@ -141,20 +149,28 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   const auto spec = parse_model_spec(c.model);
   auto data = load_dataset(c.data, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed);
 
+  const int64_t model_bytes = parameter_bytes(*model);
   std::unique_ptr<Ddp> ddp;
-  if (world) {
+  std::unique_ptr<ShardedTraining> sharded;
+  if (world && is_sharded_strategy(c.strategy)) {
+    sharded = make_sharded_training(c, model, world);
+  } else if (world) {
     DdpOptions options;
     options.reduction = parse_reduction(c.reduction);
     ddp = std::make_unique<Ddp>(model, world, options);
   }
   model->train();
-  auto optimizer = make_optimizer(c, model);
+  auto optimizer = make_optimizer(c, sharded ? sharded->parameters() : model->parameters());
+  if (sharded) sharded->track(*optimizer);
+  const bool report = sharded || c.report_memory;
+  MemoryMeter meter;  // local and ddp: parameters, .grad, optimizer state after every step
   // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
   const int ranks = world ? n : std::max(c.replay_ranks, 1);
   const int64_t b = c.global_batch / (ranks * c.accumulate);
   BatchSchedule schedule(data.size(), ranks, b, c.accumulate, c.shuffle, c.seed, !c.no_pad);
   const int64_t steps = total_steps(c, schedule.steps_per_epoch());
   StepContext ctx{c, data, model, ddp.get(), world, parse_reduction(c.reduction)};
+  ctx.sharded = sharded.get();
 
   StepLog log(c.log, rank == 0);
   Progress progress(rank == 0 && !c.quiet && (isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS")), steps);
@@ -164,8 +180,11 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
     for (int64_t s = 0; s < schedule.steps_per_epoch() && step < steps; ++s, ++step) {
       const auto start = Clock::now();
       StepRecord record{step, epoch, 0, 0, 0};
+      const int64_t written_before = report ? process_bytes_written() : 0;
       try {
-        if (ddp) {
+        if (sharded) {
+          run_sharded_step(ctx, schedule.step(rank, s), record);
+        } else if (ddp) {
           run_ddp_step(ctx, schedule.step(rank, s), record);
         } else {
           std::vector<std::vector<torch::Tensor>> all;
@@ -180,21 +199,42 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
       }
       const bool verify = ddp && c.verify_every > 0 && step % c.verify_every == 0;
       if (verify) verify_gradient(ctx, schedule.step(rank, s), step);
-      optimizer->step();
-      if (ddp) {
+      if (sharded) {
+        sharded->step(*optimizer);
+      } else {
+        optimizer->step();
+      }
+      if (report && !sharded) meter.sample(module_memory(*model, optimizer.get()));
+      if (sharded) {
+        sharded->zero_grad();
+      } else if (ddp) {
         ddp->zero_grad();
       } else {
         model->zero_grad(/*set_to_none=*/false);
       }
       if (verify) verify_replicas(ctx, step);
       record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+      if (report) {
+        record.sent_bytes = process_bytes_written() - written_before;
+        record.memory_peak = (sharded ? sharded->memory() : meter.stats()).peak_total();
+      }
       log.write(record);
       progress.update(record);
       records.push_back(record);
     }
     if (schedule.steps_per_epoch() == 0) break;
   }
-  if (rank == 0 && !c.save_state.empty()) save_state_dict(state_dict(*model), c.save_state);
+  if (sharded && !c.save_state.empty()) {
+    auto full = sharded->full_state_dict();  // a collective: gathered onto rank 0
+    if (rank == 0) save_state_dict(full, c.save_state);
+  } else if (rank == 0 && !c.save_state.empty()) {
+    save_state_dict(state_dict(*model), c.save_state);
+  }
+  if (report && !c.quiet) {
+    if (sharded && rank == 0) fmt::print("gradsync train: {}\n", sharded->describe());
+    print_resource_report(c.strategy, sharded ? sharded->memory() : meter.stats(), mean_sent_bytes(records),
+                          model_bytes, world);
+  }
   if (world && n > 1) world->comm().barrier();  // no rank exits while another still needs it
   return records;
 }
@@ -281,7 +321,9 @@ void add_train_command(CLI::App& root, int& exit_code) {
       ->required();
   cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)");
   cmd->add_option("--world-size", c.world_size, "ranks; without a launcher, train starts them itself");
-  cmd->add_option("--strategy", c.strategy, "local (one process, no communication) or ddp");
+  cmd->add_option("--strategy", c.strategy,
+                  "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
+                  "fsdp-no-shard or zero1 (see docs/sharding.md)");
   cmd->add_option("--optimizer", c.optimizer, "sgd or adam");
   cmd->add_option("--lr", c.lr, "learning rate (default 0.01 for sgd, 1e-3 for adam)");
   cmd->add_option("--momentum", c.momentum, "sgd momentum (default 0)");
@@ -309,6 +351,16 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)");
   cmd->add_flag("--quiet", c.quiet, "no summary line");
+  cmd->add_option("--wrap", c.wrap, "fsdp-*: units: children (default), params:N (consecutive children until N "
+                  "parameters) or list:A,B (named children; the rest form the root unit)");
+  cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
+  cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
+  cmd->add_option("--accumulate-grads", c.accumulate_grads,
+                  "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
+                  "(reduce-scatter every micro-step, gradient memory stays 1/N)");
+  cmd->add_flag("--report-memory", c.report_memory,
+                "memory (parameters, gradients, optimizer state) and bytes sent per rank in the log and summary "
+                "(always on for sharded strategies)");
   cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });
 }
 

@@ -17,7 +17,7 @@ struct TrainConfig {
   int64_t global_batch = 0;       // samples per optimizer step over all ranks and micro-steps
   int64_t accumulate = 1;         // micro-batches per optimizer step (K)
   int world_size = 0;             // 0: not given (1, or the launcher's WORLD_SIZE)
-  std::string strategy = "ddp";   // local | ddp
+  std::string strategy = "ddp";   // local | ddp | fsdp-full | fsdp-grad-op | fsdp-no-shard | zero1
   std::string optimizer = "sgd";  // sgd | adam
   std::optional<double> lr;       // default: 0.01 for sgd (torch.optim requires one), 1e-3 for adam
   std::optional<double> momentum;
@@ -38,6 +38,12 @@ struct TrainConfig {
   std::string log;
   double timeout_seconds = 1800;  // process-group timeout (PyTorch's default: 30 min)
   bool quiet = false;
+  // Sharded strategies (see sharded_training.h, docs/sharding.md).
+  std::string wrap;                       // fsdp-*: children | params:N | list:A,B (default children)
+  std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
+  std::string reduce_dtype;               // fsdp-*: gradient reduction dtype, default the param dtype
+  std::string accumulate_grads = "full";  // fsdp-*: full (no_sync) | sharded (reduce-scatter every micro-step)
+  bool report_memory = false;             // memory and bytes sent in log and summary (always on when sharded)
 };
 
 struct StepRecord {
@@ -46,6 +52,8 @@ struct StepRecord {
   double loss = 0;      // mean over the global batch (sum over the step's micro-batches of loss/K', mean over ranks)
   int64_t samples = 0;  // samples consumed in the step over all ranks (padding duplicates included)
   double seconds = 0;
+  int64_t memory_peak = -1;  // bytes of parameters + gradients + optimizer state at this rank's peak so far
+  int64_t sent_bytes = -1;   // bytes this rank's process wrote during the step (Gloo's sockets); -1: not reported
 };
 
 // Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.

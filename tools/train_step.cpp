@@ -16,6 +16,7 @@ namespace {
 
 torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
   auto inputs = ctx.data.inputs.index_select(0, indices);
+  if (ctx.sharded) return ctx.sharded->forward(inputs);
   return ctx.ddp ? ctx.ddp->forward(inputs) : ctx.model.ptr()->forward(inputs);
 }
 

@@ -8,6 +8,7 @@
 
 #include "data.h"
 #include "gradsync/ddp.h"
+#include "sharded_training.h"
 #include "train.h"
 
 namespace gradsync::cli {
@@ -21,6 +22,7 @@ struct StepContext {
   Ddp* ddp;                      // null for --strategy local
   std::shared_ptr<World> world;  // null for --strategy local
   Reduction reduction;
+  ShardedTraining* sharded = nullptr;  // set for --strategy fsdp-* and zero1 (then ddp is null)
 };
 
 // The per-sample-mean (or summed, per --loss-reduction) loss of one micro-batch, with its graph.
