@@ -336,6 +336,7 @@ torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& input) {
 
 bool FullyShardedDataParallel::require_sync() const { return state_->require_backward_sync; }
 void FullyShardedDataParallel::set_require_sync(bool sync) { state_->require_backward_sync = sync; }
+void FullyShardedDataParallel::continue_accumulation() { state_->require_forward_param_sync = false; }
 
 std::vector<torch::Tensor> FullyShardedDataParallel::parameters() const {
   std::vector<torch::Tensor> out;

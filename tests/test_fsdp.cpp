@@ -52,14 +52,17 @@ Config parse_config(const std::string& text) {
   return {text, f[0], f[1], f[3], f[4], f[5], std::stoll(f[2]), f[6] == "1"};
 }
 
-StateDict parameters_only(const StateDict& state, const nn::Module& module) {
+StateDict select(const StateDict& state, const nn::Module& module, bool parameters) {
   const auto params = module.named_parameters();
   StateDict out;
   for (const auto& [k, v] : state) {
-    if (params.find(k)) out.emplace_back(k, v);
+    if ((params.find(k) != nullptr) == parameters) out.emplace_back(k, v);
   }
   return out;
 }
+StateDict parameters_only(const StateDict& state, const nn::Module& module) { return select(state, module, true); }
+// This rank's own buffers (BatchNorm statistics): a parameter of an FSDP module may be freed, a buffer never is.
+StateDict buffers_only(const StateDict& state, const nn::Module& module) { return select(state, module, false); }
 
 t::CommandOptions options(int seconds = 90) {
   t::CommandOptions o;
@@ -124,6 +127,12 @@ GRADSYNC_WORKER(fsdp_equivalence) {
       WORKER_CHECK(d_ddp <= 1e-5, "{} on {} ranks, step {}: FSDP differs from DDP by {} (relative) in {}", text, n,
                    step, d_ddp, key);
       worst_ddp = std::max(worst_ddp, d_ddp);
+      // Every rank's buffers follow DDP's broadcast rule (rank 0's before the first forward of each step).
+      const double d_buffers = sh::max_relative_difference(buffers_only(gradsync::state_dict(*fsdp_model), *fsdp_model),
+                                                           buffers_only(gradsync::state_dict(*ddp_model), *ddp_model),
+                                                           &key);
+      WORKER_CHECK(d_buffers <= 1e-5, "{} on {} ranks, step {}: rank {}'s buffer {} differs from DDP's by {}", text, n,
+                   step, r, key, d_buffers);
       if (!c.batch_norm) {
         const double d_local = sh::max_relative_difference(mine, gradsync::state_dict(*local), &key);
         WORKER_CHECK(d_local <= 1e-5, "{} on {} ranks, step {}: FSDP differs from one process on the global batch "
@@ -170,7 +179,7 @@ INSTANTIATE_TEST_SUITE_P(
         EquivalenceCase{3,
                         {"full/adam/1/unsharded/children/6-13-7-3/0", "full/sgd/2/sharded/params:150/6-13-7-3/0",
                          "grad_op/sgd/2/unsharded/children/6-13-7-3/0", "no_shard/adam/1/unsharded/children/6-13-7-3/0",
-                         "grad_op/sgd/1/unsharded/list:1,3/5-9-11-4/1"}},
+                         "grad_op/sgd/1/unsharded/list:1,3/5-9-11-4/1", "full/sgd/3/sharded/children/5-9-11-4/1"}},
         EquivalenceCase{4,
                         {"full/sgd/2/unsharded/children/6-13-7-3/0", "full/adam/1/sharded/params:1/6-13-7-3/0",
                          "grad_op/adam/2/sharded/children/6-13-7-3/0", "no_shard/sgd/1/unsharded/children/6-13-7-3/0",

@@ -104,6 +104,9 @@ class FullyShardedDataParallel {
   [[nodiscard]] FsdpNoSyncGuard no_sync();
   bool require_sync() const;
   void set_require_sync(bool sync);
+  // The next forward continues the current optimizer step (a synchronised accumulation micro-step): like a forward
+  // after no_sync, it does not re-broadcast buffers, so BatchNorm statistics follow DDP's once-per-step rule.
+  void continue_accumulation();
 
   // This rank's shards, one per unit (leaves that require grad): what the optimizer steps.
   std::vector<torch::Tensor> parameters() const;
@@ -182,11 +185,13 @@ double accumulate(FullyShardedDataParallel& fsdp, int64_t micro_batches, LossFn&
       scaled.backward();
       total += scaled.template item<double>();
     };
-    if (k + 1 < micro_batches && mode == ShardedAccumulation::UnshardedGradients) {
+    const bool last = k + 1 == micro_batches;
+    if (!last && mode == ShardedAccumulation::UnshardedGradients) {
       auto guard = fsdp.no_sync();
       step();
     } else {
       step();
+      if (!last) fsdp.continue_accumulation();
     }
   }
   return total;
