@@ -1,7 +1,8 @@
 // `gradsync lab --quick --json` end to end (tools/lab*.cpp): the real CLI on Fashion-MNIST, starting its own DDP
 // ranks. The test asserts what the lab measured, not only that it ran: DDP's gradient is the single-process mean
 // at every world size and (N >= 2) not the sum; K backward passes sum; the loss is a per-sample mean; uneven
-// per-rank batches give the mean of the per-rank means; the plots are real PNG files.
+// per-rank batches give the mean of the per-rank means with Reduction::Mean and the mean over all samples with
+// Reduction::GlobalMean; the plots are real PNG files.
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -86,6 +87,15 @@ void check_uneven(const nlohmann::json& json) {
     EXPECT_EQ(u.at("verdict"), "mean of per-rank means");
     EXPECT_LT(u.at("max_abs_diff_to_mean_of_rank_means").get<double>(), 1e-5);
     EXPECT_GT(u.at("max_abs_diff_to_sample_mean").get<double>(), 1e-5);
+    // Reduction::GlobalMean on the same shares: the mean over all samples, every rank dividing by the whole batch.
+    const auto& g = u.at("global_mean");
+    EXPECT_EQ(g.at("verdict"), "sample mean");
+    EXPECT_LT(g.at("max_abs_diff_to_sample_mean").get<double>(), 1e-6);
+    EXPECT_GT(g.at("max_abs_diff_to_mean_of_rank_means").get<double>(), 1e-5);
+    EXPECT_LT(g.at("max_abs_diff_between_ranks").get<double>(), 1e-5);
+    int64_t shares = 0;
+    for (const auto& n : u.at("samples")) shares += n.get<int64_t>();
+    EXPECT_EQ(g.at("total_items").get<int64_t>(), shares);
   }
   EXPECT_EQ(json.at("sharded").at("status"), "not available yet");
 }

@@ -118,6 +118,10 @@ DdpResult run_ddp(const LabConfig& c, int n, const ScratchDir& scratch, UnevenRe
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   fmt::print(stderr, "[lab]   max |diff| to the mean {:.1e}, to the sum {:.1e}: {}{}  ({:.1f} s)\n", result.to_mean,
              result.to_sum, result.verdict, result.note.empty() ? "" : " (" + result.note + ")", result.seconds);
+  if (uneven && n >= 2) {
+    fmt::print(stderr, "[lab]   uneven shares: Mean {:.1e} from the sample mean ({}); GlobalMean {:.1e} ({})\n",
+               uneven->to_global_mean, uneven->verdict, uneven->global_to_sample_mean, uneven->global_verdict);
+  }
   return result;
 }
 
@@ -125,7 +129,7 @@ bool conclusive(const LabResults& r) {
   bool ok = r.loss.verdict != "inconclusive" && r.accumulation.raw_verdict != "neither" &&
             r.accumulation.scaled_verdict != "neither";
   for (const auto& d : r.ddp) ok = ok && d.verdict != "neither";
-  for (const auto& u : r.uneven) ok = ok && u.verdict != "neither";
+  for (const auto& u : r.uneven) ok = ok && u.verdict != "neither" && u.global_verdict != "neither";
   return ok;
 }
 

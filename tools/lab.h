@@ -122,9 +122,16 @@ struct DdpResult {
 struct UnevenResult {
   int world_size = 0;
   std::vector<int64_t> samples;
+  // DDP with Reduction::Mean (PyTorch's): each rank's loss the mean over its own share.
   double to_mean_of_means = 0;  // max |synced - (1/N) sum_r g_r|
   double to_global_mean = 0;    // max |synced - gradient of the mean over all samples|
   std::string verdict;          // "mean of per-rank means", "sample mean" or "neither"
+  // DDP with Reduction::GlobalMean (accumulate_global_mean, summed losses) on the same shares.
+  double global_to_sample_mean = 0;     // max over ranks of max |synced - gradient of the mean over all samples|
+  double global_to_mean_of_means = 0;   // min over ranks of max |synced - (1/N) sum_r g_r|
+  double global_between_ranks = 0;      // max |synced - rank 0's synced|
+  int64_t global_items = 0;             // the step's item count T the ranks agreed on (= the global batch)
+  std::string global_verdict;           // "sample mean", "mean of per-rank means" or "neither"
 };
 
 struct PlotStatus {
@@ -180,7 +187,8 @@ struct LabRankArgs {
   double timeout_seconds = 120;
 };
 // Joins the job from the launcher's environment; with DistributedDataParallel (Reduction::Mean, the default)
-// measures its gradient before synchronisation (under no_sync) and after, on an even and an uneven split.
+// measures its gradient before synchronisation (under no_sync) and after, on an even and an uneven split; on
+// the uneven split also the gradient of a second DDP copy built with Reduction::GlobalMean.
 void run_lab_rank(const LabRankArgs& args);
 std::string lab_rank_tensors(const std::string& dir, int rank);
 // Registers the hidden `gradsync lab-rank` subcommand (add_lab_command calls it).

@@ -105,18 +105,36 @@ std::string ddp_answer(const LabResults& r, bool ko) {
 std::string uneven_answer(const LabResults& r, bool ko) {
   if (r.uneven.empty()) return "";
   const auto& u = r.uneven.back();
+  std::string mean_part;
   if (u.verdict != "mean of per-rank means") {
-    return ko ? fmt::format("rank별 배치 크기가 다를 때(N = {}) DDP 결과는 {}였습니다.", u.world_size, u.verdict)
-              : fmt::format("With uneven per-rank batches (N = {}) DDP's gradient was: {}.", u.world_size, u.verdict);
+    mean_part = ko ? fmt::format("rank별 배치 크기가 다를 때(N = {}) Reduction::Mean을 쓴 DDP 결과는 {}였습니다.",
+                                 u.world_size, u.verdict)
+                   : fmt::format("With uneven per-rank batches (N = {}) DDP's Reduction::Mean gradient was: {}.",
+                                 u.world_size, u.verdict);
+  } else {
+    mean_part = ko ? fmt::format("평균은 샘플이 아니라 rank에 대한 것입니다: rank마다 배치 크기가 다르면(N = {}: {}) "
+                                 "DDP(Reduction::Mean)의 결과는 rank별 평균 gradient들의 평균이었고, 전체 샘플에 대한 "
+                                 "평균과는 {}만큼 달랐습니다.", u.world_size, join_samples(u.samples),
+                                 sci(u.to_global_mean))
+                   : fmt::format("The mean is over ranks, not samples: with uneven per-rank batches (N = {}: {}) DDP "
+                                 "(Reduction::Mean) gave the mean of the per-rank mean gradients, {} away from the mean "
+                                 "over all samples.", u.world_size, join_samples(u.samples), sci(u.to_global_mean));
   }
-  return ko ? fmt::format("평균은 샘플이 아니라 rank에 대한 것입니다: rank마다 배치 크기가 다르면(N = {}: {}) DDP의 결과는 "
-                          "rank별 평균 gradient들의 평균이었고, 전체 샘플에 대한 평균과는 {}만큼 달랐습니다. 샘플 수로 "
-                          "가중한 reduction은 lab에서 아직 측정하지 않습니다.", u.world_size, join_samples(u.samples),
-                          sci(u.to_global_mean))
-            : fmt::format("The mean is over ranks, not samples: with uneven per-rank batches (N = {}: {}) DDP gave "
-                          "the mean of the per-rank mean gradients, {} away from the mean over all samples. A "
-                          "sample-weighted reduction is not measured by the lab yet.", u.world_size,
-                          join_samples(u.samples), sci(u.to_global_mean));
+  std::string global_part;
+  if (u.global_verdict != "sample mean") {
+    global_part = ko ? fmt::format(" 같은 분할에서 Reduction::GlobalMean의 결과는 {}였습니다(전체 샘플 평균과의 최대 "
+                                   "|차이| {}).", u.global_verdict, sci(u.global_to_sample_mean))
+                     : fmt::format(" On the same shares Reduction::GlobalMean gave: {} (max |diff| to the mean over all "
+                                   "samples {}).", u.global_verdict, sci(u.global_to_sample_mean));
+  } else {
+    global_part = ko ? fmt::format(" 같은 분할에서 Reduction::GlobalMean(각 rank는 샘플 loss의 합을 backward하고, "
+                                   "reducer가 전체 샘플 수 T = {}로 나눔)은 전체 샘플에 대한 평균 gradient를 냈습니다"
+                                   "(최대 |차이| {}).", u.global_items, sci(u.global_to_sample_mean))
+                     : fmt::format(" On the same shares Reduction::GlobalMean (each rank backpropagates its summed "
+                                   "sample losses, the reducer divides by the step's T = {} samples) gave the mean over "
+                                   "all samples (max |diff| {}).", u.global_items, sci(u.global_to_sample_mean));
+  }
+  return mean_part + global_part;
 }
 
 std::string sharded_answer(bool ko) {

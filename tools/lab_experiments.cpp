@@ -289,6 +289,26 @@ DdpResult analyse_ddp(const LabConfig& lab, int n, const std::string& rank_dir, 
     }
     u.verdict = decide(u.to_mean_of_means, u.to_global_mean, lab.tolerance, "mean of per-rank means",
                        "sample mean", "neither");
+
+    // Reduction::GlobalMean on the same shares: the hypotheses swap places.
+    u.global_to_mean_of_means = INFINITY;
+    const auto global0 = find_tensor(states.front(), "uneven.global_mean", lab_rank_tensors(rank_dir, 0));
+    bool counts_agree = true;
+    for (int r = 0; r < n; ++r) {
+      const auto path = lab_rank_tensors(rank_dir, r);
+      const auto synced = find_tensor(states[static_cast<size_t>(r)], "uneven.global_mean", path);
+      u.global_to_sample_mean = std::max(u.global_to_sample_mean, max_abs_diff(synced, mean));
+      u.global_to_mean_of_means = std::min(u.global_to_mean_of_means, max_abs_diff(synced, means));
+      u.global_between_ranks = std::max(u.global_between_ranks, max_abs_diff(synced, global0));
+      const auto items = read_json(lab_rank_json(rank_dir, r)).at("uneven_global_mean_items").get<int64_t>();
+      if (r == 0) u.global_items = items;
+      counts_agree = counts_agree && items == u.global_items;
+    }
+    // Every rank must hold the same gradient and have divided by the whole global batch.
+    u.global_verdict = counts_agree && u.global_items == d.global_batch && u.global_between_ranks < lab.tolerance
+                           ? decide(u.global_to_sample_mean, u.global_to_mean_of_means, lab.tolerance,
+                                    "sample mean", "mean of per-rank means", "neither")
+                           : "neither";
   }
   return d;
 }

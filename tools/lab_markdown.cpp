@@ -108,18 +108,26 @@ std::string ddp_section(const LabResults& r) {
 std::string uneven_section(const LabResults& r) {
   std::string s =
       "## 4. Uneven per-rank batches\n\n"
-      "The same global batch split unevenly (rank r gets a share proportional to r + 1). DDP averages the ranks' "
-      "gradients with equal weights, so the hypotheses are the mean of the per-rank mean gradients and the mean "
-      "over all samples (what a sample-weighted reduction would give).\n\n";
+      "The same global batch split unevenly (rank r gets a share proportional to r + 1). With `Reduction::Mean` "
+      "(PyTorch's) each rank's loss is the mean over its share and DDP averages the ranks' gradients with equal "
+      "weights, so the hypotheses are the mean of the per-rank mean gradients and the mean over all samples. A "
+      "second copy of the model runs DDP with `Reduction::GlobalMean` on the same shares "
+      "(`gradsync::accumulate_global_mean`: each rank backpropagates the sum of its samples' losses, one allreduce "
+      "of [samples, loss sum] gives the step's T, the reducer divides by T), which should give the mean over all "
+      "samples.\n\n";
   if (r.uneven.empty()) return s + "Not measured: it needs a world size of at least 2.\n\n";
-  s += "| N | samples per rank | max \\|Δ\\| to mean of rank means | max \\|Δ\\| to sample mean | verdict |\n"
-       "|---|---|---|---|---|\n";
+  s += "| N | samples per rank | reduction | max \\|Δ\\| to mean of rank means | max \\|Δ\\| to sample mean | "
+       "verdict |\n|---|---|---|---|---|---|\n";
   for (const auto& u : r.uneven) {
-    s += fmt::format("| {} | {} | {} | {} | **{}** |\n", u.world_size, fmt::join(u.samples, " + "),
+    s += fmt::format("| {} | {} | Mean | {} | {} | **{}** |\n", u.world_size, fmt::join(u.samples, " + "),
                      sci(u.to_mean_of_means), sci(u.to_global_mean), u.verdict);
+    s += fmt::format("| {} | {} | GlobalMean (T = {}) | {} | {} | **{}** |\n", u.world_size,
+                     fmt::join(u.samples, " + "), u.global_items, sci(u.global_to_mean_of_means),
+                     sci(u.global_to_sample_mean), u.global_verdict);
   }
-  return s + "\nA sample-weighted reduction (each rank weighted by its number of samples): not available yet, the lab "
-             "does not measure one.\n\n";
+  return s + "\nFor GlobalMean, max |Δ| to the sample mean is the largest over ranks and to the mean of rank means "
+             "the smallest; the verdict also requires every rank to hold the same gradient and to have counted T as "
+             "the whole global batch.\n\n";
 }
 
 std::string definitions() {
@@ -129,6 +137,10 @@ std::string definitions() {
          "- **mean** (DDP): the gradient of the per-sample mean loss over the whole global batch, computed in one "
          "process. **sum**: the sum over ranks of each rank's mean gradient on its share (N × mean for equal "
          "shares).\n"
+         "- **sample mean** (uneven batches): the gradient of the per-sample mean loss over the whole global batch. "
+         "**mean of rank means**: (1/N) × the sum over ranks of each rank's mean gradient on its share. "
+         "**GlobalMean**: `Reduction::GlobalMean`, each rank's summed loss with the 1/T of the step's T samples "
+         "folded into the bucket copy.\n"
          "- **max |Δ| to mean / to sum** in the DDP rows: the largest over ranks / the smallest over ranks, so that "
          "the verdict holds on every rank. **between ranks**: the largest difference from rank 0's synchronised "
          "gradient.\n"

@@ -1,9 +1,11 @@
 // One rank of the lab's DDP experiment: `gradsync lab-rank` (hidden; `gradsync lab` starts it through launch()).
 // The rank measures, on its own share of the global batch, the gradient before synchronisation (a pass under
 // no_sync) and the gradient DistributedDataParallel leaves in .grad (Reduction::Mean, the default, as PyTorch
-// DDP), first with equal shares, then with shares proportional to rank+1. It writes the gradients to
-// rank<r>.pt and its measurements to rank<r>.json; judging them is the parent's work (analyse_ddp), which
-// compares them with gradients it computes itself in one process.
+// DDP), first with equal shares, then with shares proportional to rank+1. On the uneven shares it also measures
+// a second copy of the model under DDP with Reduction::GlobalMean (accumulate_global_mean, the summed loss of
+// its share and its sample count). It writes the gradients to rank<r>.pt and its measurements to rank<r>.json;
+// judging them is the parent's work (analyse_ddp), which compares them with gradients it computes itself in one
+// process.
 #include <unistd.h>
 
 #include <chrono>
@@ -15,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.h"
+#include "gradsync/accumulate.h"
 #include "gradsync/ddp.h"
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
@@ -48,6 +51,20 @@ void measure(Ddp& ddp, const torch::Tensor& x, const torch::Tensor& y, const std
   out.emplace_back(tag + ".synced", flat_gradient(*ddp.module()));
 }
 
+// Adds "<tag>.global_mean": the gradient DDP with Reduction::GlobalMean leaves in .grad when this rank's loss is
+// the SUM of its samples' losses. Returns the step's item count over all ranks.
+int64_t measure_global_mean(Ddp& ddp, const torch::Tensor& x, const torch::Tensor& y, const std::string& tag,
+                            StateDict& out) {
+  namespace F = torch::nn::functional;
+  ddp.zero_grad();
+  const auto step = accumulate_global_mean(ddp, x.size(0) > 0 ? 1 : 0, [&](int64_t) {
+    auto summed = F::cross_entropy(ddp.forward(x), y, F::CrossEntropyFuncOptions().reduction(torch::kSum));
+    return ItemLoss{summed, x.size(0)};
+  });
+  out.emplace_back(tag + ".global_mean", flat_gradient(*ddp.module()));
+  return step.total_items;
+}
+
 }  // namespace
 
 std::string lab_rank_tensors(const std::string& dir, int rank) { return fmt::format("{}/rank{}.pt", dir, rank); }
@@ -72,10 +89,16 @@ void run_lab_rank(const LabRankArgs& a) {
   auto [xe, ye] = my_rows(x, y, even, rank);
   measure(ddp, xe, ye, "even", out);
   std::vector<int64_t> uneven;
+  int64_t global_items = 0;
   if (n >= 2) {
     uneven = uneven_split(a.global_batch, n);
     auto [xu, yu] = my_rows(x, y, uneven, rank);
     measure(ddp, xu, yu, "uneven", out);
+    // A separate copy of the model: its own reducer, the same initial state.
+    DdpOptions options;
+    options.reduction = Reduction::GlobalMean;
+    Ddp global_ddp(lab_model(a.model, a.init_state), world, options);
+    global_items = measure_global_mean(global_ddp, xu, yu, "uneven", out);
   }
   save_state_dict(out, lab_rank_tensors(a.out_dir, rank));
 
@@ -83,6 +106,7 @@ void run_lab_rank(const LabRankArgs& a) {
                       {"world_size", n},
                       {"even_samples", even[static_cast<size_t>(rank)]},
                       {"uneven_samples", n >= 2 ? uneven[static_cast<size_t>(rank)] : 0},
+                      {"uneven_global_mean_items", global_items},
                       {"threads", at::get_num_threads()},
                       {"pid", static_cast<int64_t>(getpid())},
                       {"seconds", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};

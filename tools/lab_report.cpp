@@ -60,12 +60,15 @@ std::vector<ResultRow> result_rows(const LabResults& r) {
                     d.note.empty() ? d.verdict : fmt::format("{} ({})", d.verdict, d.note)});
   }
   for (const auto& u : r.uneven) {
-    rows.push_back({fmt::format("uneven, N={} ({})", u.world_size, join_samples(u.samples)),
+    rows.push_back({fmt::format("uneven, N={} ({}), Mean", u.world_size, join_samples(u.samples)),
                     fmt::format("max |diff| to mean of rank means {}, to sample mean {}", sci(u.to_mean_of_means),
                                 sci(u.to_global_mean)),
                     u.verdict});
+    rows.push_back({fmt::format("uneven, N={}, GlobalMean", u.world_size),
+                    fmt::format("max |diff| to sample mean {}, to mean of rank means {}; T = {}",
+                                sci(u.global_to_sample_mean), sci(u.global_to_mean_of_means), u.global_items),
+                    u.global_verdict});
   }
-  rows.push_back({"uneven, sample-weighted", "a sample-weighted reduction is not measured by the lab yet", kNotYet});
   rows.push_back({"sharded (FSDP/ZeRO)", "sharded data parallelism is not measured by the lab yet", kNotYet});
   return rows;
 }
@@ -141,10 +144,12 @@ void write_data(OutDir& out, const LabResults& r) {
   out.write("ddp_ranks.csv", ranks);
   out.write("ddp_deviation.dat", deviation);
   out.write("ddp_ranks.dat", rank_bars);
-  std::string uneven = "world_size,samples,to_mean_of_means,to_global_mean,verdict\n";
+  std::string uneven = "world_size,samples,to_mean_of_means,to_global_mean,verdict,global_mean_to_sample_mean,"
+                       "global_mean_to_mean_of_means,global_mean_between_ranks,global_mean_items,global_mean_verdict\n";
   for (const auto& u : r.uneven) {
-    uneven += fmt::format("{},{},{},{},{}\n", u.world_size, join_samples(u.samples), u.to_mean_of_means,
-                          u.to_global_mean, u.verdict);
+    uneven += fmt::format("{},{},{},{},{},{},{},{},{},{}\n", u.world_size, join_samples(u.samples), u.to_mean_of_means,
+                          u.to_global_mean, u.verdict, u.global_to_sample_mean, u.global_to_mean_of_means,
+                          u.global_between_ranks, u.global_items, u.global_verdict);
   }
   out.write("uneven.csv", uneven);
 }
@@ -305,7 +310,13 @@ nlohmann::ordered_json to_json(const LabResults& r) {
     uneven.push_back({{"world_size", u.world_size}, {"samples", u.samples},
                       {"max_abs_diff_to_mean_of_rank_means", u.to_mean_of_means},
                       {"max_abs_diff_to_sample_mean", u.to_global_mean}, {"verdict", u.verdict},
-                      {"sample_weighted_reduction", kNotYet}});
+                      {"sample_weighted_reduction", "measured: global_mean (Reduction::GlobalMean)"},
+                      {"global_mean", {{"reduction", "global-mean"},
+                                       {"max_abs_diff_to_sample_mean", u.global_to_sample_mean},
+                                       {"max_abs_diff_to_mean_of_rank_means", u.global_to_mean_of_means},
+                                       {"max_abs_diff_between_ranks", u.global_between_ranks},
+                                       {"total_items", u.global_items},
+                                       {"verdict", u.global_verdict}}}});
   }
   return {
       {"command", "gradsync lab"},
