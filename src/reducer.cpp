@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "gradsync/bucket.h"
+#include "gradsync/consistency.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
@@ -88,52 +89,6 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   std::weak_ptr<Reducer::State> state_;  // the hook outlives the reducer inside autograd's graph
   size_t index_;
 };
-
-std::string describe_tensor(const std::string& kind, const std::string& name, const torch::Tensor& t) {
-  return fmt::format("{} {} {} [{}]", kind, name, c10::toString(t.scalar_type()), fmt::join(t.sizes(), ", "));
-}
-
-std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start < text.size()) {
-    size_t end = text.find('\n', start);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(text.substr(start, end - start));
-    start = end + 1;
-  }
-  return out;
-}
-
-// The first difference between rank r's model description and rank 0's, or "" when they agree.
-std::string first_difference(const std::vector<std::string>& reference, const std::vector<std::string>& other,
-                             int rank) {
-  const size_t common = std::min(reference.size(), other.size());
-  for (size_t k = 0; k < common; ++k) {
-    if (reference[k] != other[k]) {
-      return fmt::format("entry #{} differs: rank 0 has '{}', rank {} has '{}'", k, reference[k], rank, other[k]);
-    }
-  }
-  if (reference.size() == other.size()) return "";
-  const bool extra = other.size() > reference.size();
-  return fmt::format("rank 0 has {} parameters and buffers, rank {} has {}; first {}: '{}'", reference.size(), rank,
-                     other.size(), extra ? fmt::format("extra on rank {}", rank) : "missing on rank " +
-                     std::to_string(rank), extra ? other[common] : reference[common]);
-}
-
-void verify_same_model(Collectives& comm, const std::string& mine) {
-  auto all = comm.allgather_strings(mine);
-  auto reference = split_lines(all[0]);
-  std::vector<std::string> problems;
-  for (int r = 1; r < comm.size(); ++r) {
-    auto diff = first_difference(reference, split_lines(all[static_cast<size_t>(r)]), r);
-    if (!diff.empty()) problems.push_back(diff);
-  }
-  if (!problems.empty()) {
-    throw DistributedError(fmt::format("DistributedDataParallel on rank {}: the model differs across ranks: {}",
-                                       comm.rank(), fmt::join(problems, "; ")));
-  }
-}
 
 }  // namespace
 
@@ -327,19 +282,15 @@ Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<Worl
   s.module = std::move(module);
   s.world = std::move(world);
   s.options = options;
-  std::string description;
   for (const auto& item : s.module->named_parameters(/*recurse=*/true)) {
-    description += describe_tensor("parameter", item.key(), item.value()) + "\n";
     if (!item.value().requires_grad()) continue;  // frozen parameters are neither reduced nor hooked
     s.names.push_back(item.key());
     s.params.push_back(item.value());
   }
-  for (const auto& item : s.module->named_buffers(/*recurse=*/true)) {
-    description += describe_tensor("buffer", item.key(), item.value()) + "\n";
-    s.buffers.push_back(item.value());
-  }
+  for (const auto& item : s.module->named_buffers(/*recurse=*/true)) s.buffers.push_back(item.value());
   auto& comm = s.world->comm();
-  verify_same_model(comm, description);
+  // Same parameters and buffers (names, dtypes, shapes) on every rank, or every rank fails naming the difference.
+  check_same_on_every_rank(comm, "DistributedDataParallel", describe_module(*s.module));
   std::vector<torch::Tensor> everything = s.params;
   everything.insert(everything.end(), s.buffers.begin(), s.buffers.end());
   comm.broadcast_coalesced(everything, /*root=*/0);

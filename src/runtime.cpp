@@ -54,6 +54,15 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+// A FileStore deletes its file when as many processes as it was told have destroyed it. After a failed
+// rendezvous those counts disagree (a rank with the wrong WORLD_SIZE, a duplicate), so a failing process could
+// delete the file under a peer that has not read it yet, leaving that peer waiting for its timeout instead of
+// failing at once with the same message. A failing process therefore never destroys its store.
+void keep_store_alive(const c10::intrusive_ptr<c10d::Store>& store) {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Store>>();  // intentionally never freed
+  kept->push_back(store);
+}
+
 }  // namespace
 
 World::World(LaunchEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
@@ -69,8 +78,13 @@ std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, co
   const std::string prefix = fmt::format("gradsync/{}", env.restart_count);
   store->setTimeout(timeout);
   c10d::PrefixStore rendezvous_store(prefix + "/rendezvous", store);
-  rendezvous(rendezvous_store, RendezvousInfo{env.rank, env.world_size, host_name(), static_cast<long>(getpid())},
-             timeout);
+  try {
+    rendezvous(rendezvous_store, RendezvousInfo{env.rank, env.world_size, host_name(), static_cast<long>(getpid())},
+               timeout);
+  } catch (...) {
+    keep_store_alive(store);
+    throw;
+  }
   auto options = c10d::ProcessGroupGloo::Options::create(timeout);
   options->devices.push_back(gloo_device(env));
   auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/pg", store);

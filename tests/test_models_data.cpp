@@ -4,6 +4,8 @@
 //
 // Python references run /usr/bin/python3 (python3-torch, installed by scripts/install-deps.sh).
 #include <gtest/gtest.h>
+
+#include "support/error_of.h"
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -98,20 +100,7 @@ std::string run_python(const std::string& script, const TempDir& dir) {
          " with torch: python3-torch, see scripts/install-deps.sh):\n" + read_text(log_path);
 }
 
-// The message of the exception `fn` throws, which must be of type E; a test failure otherwise.
-template <class E>
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using gradsync::test::error_of;
 
 std::vector<std::string> parameter_names(const torch::nn::Module& m) {
   std::vector<std::string> out;

@@ -4,6 +4,8 @@
 // properties of the order (coverage, padding from the start, truncation, epochs) and argument errors.
 #include <gtest/gtest.h>
 
+#include "support/error_of.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -144,19 +146,7 @@ bool is_permutation_of_range(Indices v, int64_t n) {
   return true;
 }
 
-template <class E>
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using gradsync::test::error_of;
 
 }  // namespace
 

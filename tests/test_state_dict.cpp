@@ -3,6 +3,8 @@
 // identical tensors and vice versa (Python references run /usr/bin/python3 under a timeout), strict load_into,
 // atomic saving and the errors for unwritable paths and damaged files.
 #include <gtest/gtest.h>
+
+#include "support/error_of.h"
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -93,19 +95,7 @@ nlohmann::json python_json(const std::string& script, const std::vector<std::str
   }
 }
 
-template <class E>
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "did not throw";
-  return "";
-}
+using gradsync::test::error_of;
 
 std::string python_dtype(c10::ScalarType t) {
   switch (t) {
