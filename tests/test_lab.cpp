@@ -2,7 +2,7 @@
 // ranks. The test asserts what the lab measured, not only that it ran: DDP's gradient is the single-process mean
 // at every world size and (N >= 2) not the sum; K backward passes sum; the loss is a per-sample mean; uneven
 // per-rank batches give the mean of the per-rank means with Reduction::Mean and the mean over all samples with
-// Reduction::GlobalMean; the plots are real PNG files.
+// Reduction::GlobalMean; FSDP (full shard) applies the mean at every world size; the plots are real PNG files.
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -97,7 +97,26 @@ void check_uneven(const nlohmann::json& json) {
     for (const auto& n : u.at("samples")) shares += n.get<int64_t>();
     EXPECT_EQ(g.at("total_items").get<int64_t>(), shares);
   }
-  EXPECT_EQ(json.at("sharded").at("status"), "not available yet");
+}
+
+void check_sharded(const nlohmann::json& json) {
+  const double tol = json.at("tolerance").get<double>();
+  std::set<int> seen;
+  for (const auto& s : json.at("sharded")) {
+    const int n = s.at("world_size").get<int>();
+    seen.insert(n);
+    SCOPED_TRACE("FSDP world size " + std::to_string(n));
+    EXPECT_EQ(s.at("strategy"), "full_shard");
+    EXPECT_EQ(s.at("verdict"), "mean");
+    EXPECT_LT(s.at("max_abs_diff_to_mean").get<double>(), tol);
+    EXPECT_LT(s.at("max_abs_diff_between_ranks").get<double>(), tol);
+    if (n == 1) {
+      EXPECT_EQ(s.at("note"), "N=1: sum = mean");
+    } else {
+      EXPECT_GT(s.at("max_abs_diff_to_sum").get<double>(), tol);
+    }
+  }
+  EXPECT_EQ(seen, (std::set<int>{1, 2, 4}));
 }
 
 void check_files(const nlohmann::json& json, const std::string& dir) {
@@ -145,6 +164,10 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
   {
     SCOPED_TRACE("uneven");
     check_uneven(json);
+  }
+  {
+    SCOPED_TRACE("sharded");
+    check_sharded(json);
   }
   {
     SCOPED_TRACE("files");

@@ -122,6 +122,9 @@ DdpResult run_ddp(const LabConfig& c, int n, const ScratchDir& scratch, UnevenRe
     fmt::print(stderr, "[lab]   uneven shares: Mean {:.1e} from the sample mean ({}); GlobalMean {:.1e} ({})\n",
                uneven->to_global_mean, uneven->verdict, uneven->global_to_sample_mean, uneven->global_verdict);
   }
+  fmt::print(stderr, "[lab]   FSDP full-shard: max |diff| to the mean {:.1e}, to the sum {:.1e}: {}{}\n",
+             result.fsdp_to_mean, result.fsdp_to_sum, result.fsdp_verdict,
+             result.fsdp_note.empty() ? "" : " (" + result.fsdp_note + ")");
   return result;
 }
 

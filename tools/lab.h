@@ -4,7 +4,8 @@
 //   lab.cpp              the command: options, the order of the experiments, progress, output files
 //   lab_experiments.cpp  loss vs batch size and accumulation (in this process), the DDP analysis (the single
 //                        process reference against what the ranks measured)
-//   lab_rank.cpp         the hidden `gradsync lab-rank` subcommand: one DDP rank, started through launch()
+//   lab_rank.cpp         the hidden `gradsync lab-rank` subcommand: one DDP (and FSDP) rank, started through
+//                        launch()
 //   lab_report.cpp       terminal table, JSON, CSV files, gnuplot plots
 //   lab_answer.cpp       the answer, in English and Korean, written from the verdicts
 //   lab_markdown.cpp     report.md
@@ -115,6 +116,13 @@ struct DdpResult {
   std::vector<RankGradients> ranks;
   std::string verdict;  // "mean", "sum" or "neither"
   std::string note;
+  // FullyShardedDataParallel (FullShard) on the same even shares: initial - parameters after one SGD step with
+  // lr = 1, i.e. the gradient FSDP applied, gathered whole on every rank.
+  double fsdp_to_mean = 0;          // max over ranks of max |fsdp - single-process mean gradient|
+  double fsdp_to_sum = 0;           // min over ranks of max |fsdp - sum of per-rank mean gradients|
+  double fsdp_between_ranks = 0;    // max |fsdp - rank 0's|
+  std::string fsdp_verdict;         // "mean", "sum" or "neither"
+  std::string fsdp_note;
   double seconds = 0;
 };
 
@@ -188,7 +196,8 @@ struct LabRankArgs {
 };
 // Joins the job from the launcher's environment; with DistributedDataParallel (Reduction::Mean, the default)
 // measures its gradient before synchronisation (under no_sync) and after, on an even and an uneven split; on
-// the uneven split also the gradient of a second DDP copy built with Reduction::GlobalMean.
+// the uneven split also the gradient of a second DDP copy built with Reduction::GlobalMean; on the even split the
+// gradient FullyShardedDataParallel (FullShard) applied in one SGD step.
 void run_lab_rank(const LabRankArgs& args);
 std::string lab_rank_tensors(const std::string& dir, int rank);
 // Registers the hidden `gradsync lab-rank` subcommand (add_lab_command calls it).

@@ -137,11 +137,41 @@ std::string uneven_answer(const LabResults& r, bool ko) {
   return mean_part + global_part;
 }
 
-std::string sharded_answer(bool ko) {
-  return ko ? "샤딩(FSDP/ZeRO)은 lab에서 아직 측정하지 않습니다. PyTorch FSDP는 소스 코드상 SUM reduce-scatter "
-              "앞뒤로 나누어 역시 rank에 대한 평균을 냅니다."
-            : "Sharded data parallelism (FSDP/ZeRO) is not measured by the lab yet; PyTorch's FSDP, by its source, "
-              "divides before and after a SUM reduce-scatter: a mean over ranks as well.";
+std::string sharded_answer(const LabResults& r, bool ko) {
+  if (r.ddp.empty()) return "";
+  double to_mean = 0, to_sum = INFINITY;
+  std::vector<std::string> wrong;
+  std::vector<int> all, multi;
+  for (const auto& d : r.ddp) {
+    all.push_back(d.world_size);
+    to_mean = std::max(to_mean, d.fsdp_to_mean);
+    if (d.world_size >= 2) {
+      multi.push_back(d.world_size);
+      to_sum = std::min(to_sum, d.fsdp_to_sum);
+    }
+    if (d.fsdp_verdict != "mean") wrong.push_back(fmt::format("N={}: {}", d.world_size, d.fsdp_verdict));
+  }
+  if (!wrong.empty()) {
+    return ko ? fmt::format("샤딩(FSDP full-shard)이 모든 경우에 평균을 내지는 않았습니다: {}.", fmt::join(wrong, "; "))
+              : fmt::format("Sharded FSDP (full shard) did not average in every run: {}.", fmt::join(wrong, "; "));
+  }
+  const auto ns = fmt::format("{}", fmt::join(all, ", "));
+  if (multi.empty()) {
+    return ko ? fmt::format("샤딩(FSDP full-shard, N = {})이 적용한 gradient는 한 프로세스의 평균 gradient와 같았습니다"
+                            "(최대 |차이| {}). N = 1에서는 합과 평균이 같은 값입니다.", ns, sci(to_mean))
+              : fmt::format("Sharded FSDP (full shard, N = {}) applied the single-process mean gradient (max |diff| "
+                            "{}); at N = 1 the sum and the mean are the same.", ns, sci(to_mean));
+  }
+  return ko ? fmt::format("샤딩도 평균을 냅니다: FullyShardedDataParallel(FullShard, ZeRO-3)로 N = {}에서 SGD 한 "
+                          "step(lr = 1)을 밟은 뒤, 처음 파라미터에서 갱신된 파라미터(full_state_dict)를 뺀 gradient는 한 "
+                          "프로세스의 평균 gradient와 같았고(최대 |차이| {} 이하), rank gradient의 합과는 달랐습니다"
+                          "(N ≥ 2에서 최대 |차이| {} 이상). 각 rank는 자기 shard만 갱신하지만 그 shard의 gradient는 "
+                          "1/N을 곱한 뒤 SUM reduce-scatter한 평균입니다.", ns, sci(to_mean), sci(to_sum))
+            : fmt::format("Sharding averages too: with FullyShardedDataParallel (FullShard, ZeRO-3) at N = {}, one SGD "
+                          "step (lr = 1) moved the parameters (gathered with full_state_dict) by the single-process mean "
+                          "gradient (max |diff| at most {}), not by the sum of the ranks' gradients (max |diff| at least "
+                          "{} for N >= 2). Each rank updates only its shard, but that shard's gradient is x 1/N then a "
+                          "SUM reduce-scatter: a mean over ranks.", ns, sci(to_mean), sci(to_sum));
 }
 
 }  // namespace
@@ -149,7 +179,7 @@ std::string sharded_answer(bool ko) {
 std::vector<std::string> answer_paragraphs(const LabResults& r, const std::string& language) {
   const bool ko = language == "ko";
   std::vector<std::string> parts{loss_answer(r, ko), accumulation_answer(r, ko), ddp_answer(r, ko),
-                                 uneven_answer(r, ko), sharded_answer(ko)};
+                                 uneven_answer(r, ko), sharded_answer(r, ko)};
   parts.erase(std::remove(parts.begin(), parts.end(), std::string()), parts.end());
   return parts;
 }

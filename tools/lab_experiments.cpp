@@ -1,5 +1,6 @@
 // The lab's measurements made in this process (see lab.h): loss vs batch size through `gradsync train`'s own
-// loop, gradient accumulation, and the single-process references the DDP ranks' gradients are compared with.
+// loop, gradient accumulation, and the single-process references the DDP and FSDP ranks' gradients are compared
+// with.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -272,6 +273,25 @@ DdpResult analyse_ddp(const LabConfig& lab, int n, const std::string& rank_dir, 
                     ? decide(d.to_mean, d.to_sum, lab.tolerance, "mean", "sum", "neither")
                     : "neither";
     if (d.between_ranks >= lab.tolerance) d.note = "ranks disagree after sync";
+  }
+
+  // FSDP (FullShard) on the same even shares, judged by the same rule.
+  d.fsdp_to_sum = INFINITY;
+  const auto fsdp0 = find_tensor(states.front(), "even.fsdp_full", lab_rank_tensors(rank_dir, 0));
+  for (int r = 0; r < n; ++r) {
+    const auto fsdp = find_tensor(states[static_cast<size_t>(r)], "even.fsdp_full", lab_rank_tensors(rank_dir, r));
+    d.fsdp_to_mean = std::max(d.fsdp_to_mean, max_abs_diff(fsdp, mean));
+    d.fsdp_to_sum = std::min(d.fsdp_to_sum, max_abs_diff(fsdp, sum));
+    d.fsdp_between_ranks = std::max(d.fsdp_between_ranks, max_abs_diff(fsdp, fsdp0));
+  }
+  if (n == 1) {
+    d.fsdp_verdict = d.fsdp_to_mean < lab.tolerance ? "mean" : "neither";
+    d.fsdp_note = "N=1: sum = mean";
+  } else {
+    d.fsdp_verdict = d.fsdp_between_ranks < lab.tolerance
+                         ? decide(d.fsdp_to_mean, d.fsdp_to_sum, lab.tolerance, "mean", "sum", "neither")
+                         : "neither";
+    if (d.fsdp_between_ranks >= lab.tolerance) d.fsdp_note = "ranks disagree after the step";
   }
 
   if (uneven && n >= 2) {

@@ -130,6 +130,27 @@ std::string uneven_section(const LabResults& r) {
              "the whole global batch.\n\n";
 }
 
+std::string sharded_section(const LabResults& r) {
+  std::string s = fmt::format(
+      "## 5. Sharded (FSDP/ZeRO)\n\n"
+      "For each world size, the same ranks then build `gradsync::FullyShardedDataParallel` with "
+      "`ShardingStrategy::FullShard` (ZeRO-3, `Reduction::Mean`) over a fresh copy of the model in the same initial "
+      "state, run one forward and backward of the mean loss on the same equal shares, and take one "
+      "`torch::optim::SGD` step with lr = 1 on their own parameter shards. `full_state_dict` gathers the updated "
+      "parameters on every rank; initial − updated is the gradient FSDP applied, compared with the same "
+      "single-process mean and sum as in section 3. Verdict \"mean\": every rank's applied gradient is within "
+      "{tol:g} of the mean and not within {tol:g} of the sum (at N = 1 they are the same gradient).\n\n"
+      "| N | global batch | max \\|Δ\\| to mean | max \\|Δ\\| to sum | between ranks | verdict |\n"
+      "|---|---|---|---|---|---|\n",
+      fmt::arg("tol", r.config.tolerance));
+  for (const auto& d : r.ddp) {
+    s += fmt::format("| {} | {} | {} | {} | {} | **{}**{} |\n", d.world_size, d.global_batch, sci(d.fsdp_to_mean),
+                     sci(d.fsdp_to_sum), sci(d.fsdp_between_ranks), d.fsdp_verdict,
+                     d.fsdp_note.empty() ? "" : " (" + d.fsdp_note + ")");
+  }
+  return s + "\nThe difference to the mean includes the float32 rounding of initial − (initial − g).\n\n";
+}
+
 std::string definitions() {
   return "## Definitions\n\n"
          "- **max |Δ|**: the largest absolute difference between two gradients over every element of every "
@@ -167,7 +188,7 @@ std::string report_markdown(const LabResults& r) {
   }
   s += "\n";
   s += loss_section(r) + accumulation_section(r) + ddp_section(r) + uneven_section(r);
-  s += "## 5. Sharded (FSDP/ZeRO)\n\nNot available yet: the lab does not measure sharded data parallelism.\n\n";
+  s += sharded_section(r);
   s += fmt::format("## Answer\n\n{}\n\n", fmt::join(answer_paragraphs(r, "en"), "\n\n"));
   s += fmt::format("## 답변 (한국어)\n\n{}\n\n", fmt::join(answer_paragraphs(r, "ko"), "\n\n"));
   s += definitions();

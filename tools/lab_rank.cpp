@@ -3,11 +3,14 @@
 // no_sync) and the gradient DistributedDataParallel leaves in .grad (Reduction::Mean, the default, as PyTorch
 // DDP), first with equal shares, then with shares proportional to rank+1. On the uneven shares it also measures
 // a second copy of the model under DDP with Reduction::GlobalMean (accumulate_global_mean, the summed loss of
-// its share and its sample count). It writes the gradients to rank<r>.pt and its measurements to rank<r>.json;
+// its share and its sample count). On the even shares it finally measures FullyShardedDataParallel (FullShard):
+// one forward/backward and one SGD step (lr = 1) on this rank's shards; initial - updated parameters, gathered
+// with full_state_dict, is the gradient FSDP applied. It writes the gradients to rank<r>.pt and its measurements to rank<r>.json;
 // judging them is the parent's work (analyse_ddp), which compares them with gradients it computes itself in one
 // process.
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <numeric>
@@ -20,6 +23,7 @@
 #include "gradsync/accumulate.h"
 #include "gradsync/ddp.h"
 #include "gradsync/error.h"
+#include "gradsync/fsdp.h"
 #include "gradsync/runtime.h"
 #include "gradsync/state_dict.h"
 #include "lab.h"
@@ -65,6 +69,31 @@ int64_t measure_global_mean(Ddp& ddp, const torch::Tensor& x, const torch::Tenso
   return step.total_items;
 }
 
+// Adds "<tag>.fsdp_full": the gradient FullyShardedDataParallel (FullShard, Reduction::Mean) applied, read back
+// through the parameters: one SGD step with lr = 1 on this rank's shards moves each parameter by exactly its
+// (sharded, reduced) gradient, so initial - updated, gathered with full_state_dict, is that gradient whole.
+void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
+                  const torch::Tensor& y, const std::string& tag, StateDict& out) {
+  auto reference = lab_model(a.model, a.init_state);  // the initial parameters, in parameter order
+  FsdpOptions options;
+  options.strategy = ShardingStrategy::FullShard;
+  FullyShardedDataParallel fsdp(lab_model(a.model, a.init_state), world, options);
+  torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(1.0));
+  fsdp.zero_grad();
+  torch::nn::functional::cross_entropy(fsdp.forward(x), y).backward();
+  optimizer.step();
+  const auto updated = fsdp.full_state_dict(/*all_ranks=*/true);
+  std::vector<torch::Tensor> parts;
+  for (const auto& [name, initial] : reference->named_parameters().pairs()) {
+    const auto it = std::find_if(updated.begin(), updated.end(), [&name = name](const auto& kv) {
+      return kv.first == name;
+    });
+    if (it == updated.end()) throw Error(fmt::format("lab-rank: FSDP's full state dict has no '{}'", name));
+    parts.push_back((initial.detach() - it->second.detach().to(initial.dtype())).flatten());
+  }
+  out.emplace_back(tag + ".fsdp_full", torch::cat(parts));
+}
+
 }  // namespace
 
 std::string lab_rank_tensors(const std::string& dir, int rank) { return fmt::format("{}/rank{}.pt", dir, rank); }
@@ -100,6 +129,8 @@ void run_lab_rank(const LabRankArgs& a) {
     Ddp global_ddp(lab_model(a.model, a.init_state), world, options);
     global_items = measure_global_mean(global_ddp, xu, yu, "uneven", out);
   }
+  // Sharded: FullyShardedDataParallel (FullShard) over a fresh copy, on the even shares.
+  measure_fsdp(a, world, xe, ye, "even", out);
   save_state_dict(out, lab_rank_tensors(a.out_dir, rank));
 
   nlohmann::json meta{{"rank", rank},

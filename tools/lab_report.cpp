@@ -24,8 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kNotYet = "not available yet";
-
 std::string sci(double v) { return fmt::format("{:.1e}", v); }
 
 std::string join_samples(const std::vector<int64_t>& samples) { return fmt::format("{}", fmt::join(samples, "+")); }
@@ -69,7 +67,13 @@ std::vector<ResultRow> result_rows(const LabResults& r) {
                                 sci(u.global_to_sample_mean), sci(u.global_to_mean_of_means), u.global_items),
                     u.global_verdict});
   }
-  rows.push_back({"sharded (FSDP/ZeRO)", "sharded data parallelism is not measured by the lab yet", kNotYet});
+  for (const auto& d : r.ddp) {
+    rows.push_back({fmt::format("sharded FSDP full-shard, N={} ({} x {})", d.world_size, d.world_size,
+                                d.global_batch / d.world_size),
+                    fmt::format("applied gradient (one SGD step, lr 1): max |diff| to 1-process mean {}, to sum {}",
+                                sci(d.fsdp_to_mean), sci(d.fsdp_to_sum)),
+                    d.fsdp_note.empty() ? d.fsdp_verdict : fmt::format("{} ({})", d.fsdp_verdict, d.fsdp_note)});
+  }
   return rows;
 }
 
@@ -318,6 +322,15 @@ nlohmann::ordered_json to_json(const LabResults& r) {
                                        {"total_items", u.global_items},
                                        {"verdict", u.global_verdict}}}});
   }
+  json sharded = json::array();
+  for (const auto& d : r.ddp) {
+    sharded.push_back({{"world_size", d.world_size}, {"strategy", "full_shard"}, {"global_batch", d.global_batch},
+                       {"samples_per_rank", d.global_batch / d.world_size},
+                       {"measured", "initial - updated parameters after one SGD step (lr 1), full_state_dict"},
+                       {"max_abs_diff_to_mean", d.fsdp_to_mean}, {"max_abs_diff_to_sum", d.fsdp_to_sum},
+                       {"max_abs_diff_between_ranks", d.fsdp_between_ranks}, {"verdict", d.fsdp_verdict},
+                       {"note", d.fsdp_note}});
+  }
   return {
       {"command", "gradsync lab"},
       {"mode", c.quick ? "quick" : "full"},
@@ -338,7 +351,7 @@ nlohmann::ordered_json to_json(const LabResults& r) {
                         {"scaled_verdict", a.scaled_verdict}, {"seconds", a.seconds}}},
       {"ddp", ddp},
       {"uneven", uneven},
-      {"sharded", {{"status", kNotYet}, {"reason", "sharded data parallelism is not measured by the lab yet"}}},
+      {"sharded", sharded},
       {"answer", {{"en", answer_text(r, "en")}, {"ko", answer_text(r, "ko")}}},
       {"out_dir", c.out_dir},
       {"plots", {{"rendered", r.plots.rendered}, {"files", r.plots.files}, {"message", r.plots.message}}},
