@@ -22,7 +22,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
-#include "gradsync/bucket.h"
+#include "ddp/bucket.h"
 #include "support/subprocess.h"
 
 namespace {

@@ -17,7 +17,7 @@
 
 #include <gtest/gtest.h>
 
-#include "launch.h"
+#include "launch/launch.h"
 #include "support/subprocess.h"
 
 namespace {

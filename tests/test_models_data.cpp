@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "data.h"
-#include "models.h"
+#include "data/data.h"
+#include "data/models.h"
 
 namespace {
 

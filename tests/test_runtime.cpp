@@ -5,7 +5,6 @@
 #include <gtest/gtest.h>
 
 #include "gradsync/error.h"
-#include "gradsync/launch_env.h"
 #include "gradsync/runtime.h"
 #include "support/subprocess.h"
 #include "support/worker.h"

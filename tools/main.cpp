@@ -1,4 +1,4 @@
-// The `gradsync` command line: dispatches to one subcommand per file (launch.cpp, train.cpp, lab.cpp, ...).
+// The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/).
 #include <cstdio>
 #include <exception>
 
@@ -6,7 +6,9 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
-#include "commands.h"
+#include "lab/lab.h"
+#include "launch/launch.h"
+#include "train/train.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"gradsync: data-parallel training for libtorch with declared gradient semantics"};

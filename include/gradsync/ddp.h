@@ -10,7 +10,7 @@
 #include <memory>
 #include <utility>
 
-#include "gradsync/reducer.h"
+#include "ddp/reducer.h"
 
 namespace gradsync {
 

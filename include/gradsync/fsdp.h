@@ -40,16 +40,49 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
-#include "gradsync/memory.h"
-#include "gradsync/mixed_precision.h"
-#include "gradsync/order_check.h"
+#include "gradsync/stats.h"
 #include "gradsync/reduction.h"
 #include "gradsync/runtime.h"
 #include "gradsync/state_dict.h"
-#include "gradsync/traffic.h"
-#include "gradsync/wrap_policy.h"
 
 namespace gradsync {
+
+struct WrapPolicy {
+  enum class Kind {
+    Children,   // every direct child that has parameters is a unit (PyTorch: wrap each layer)
+    MinParams,  // consecutive children grouped until the group holds >= min_params parameters
+    List,       // the named direct children, one unit each; the other children's parameters go to the root
+  };
+  Kind kind = Kind::Children;
+  int64_t min_params = 0;
+  std::vector<std::string> names;
+
+  static WrapPolicy children();
+  static WrapPolicy at_least(int64_t min_params);
+  static WrapPolicy list(std::vector<std::string> names);
+  // The CLI spelling: "children", "params:N", "list:A,B,...".
+  std::string to_string() const;
+};
+
+// Parses "children", "params:N" (N >= 1) or "list:NAME[,NAME...]"; throws ConfigError naming the spec otherwise.
+WrapPolicy parse_wrap_policy(const std::string& spec);
+
+// See Note [Mixed precision on Gloo] (src/shard/mixed_precision.h): bfloat16 over a backend without it.
+struct MixedPrecision {
+  std::optional<c10::ScalarType> param_dtype;   // default: the model's own dtype (no casting)
+  std::optional<c10::ScalarType> reduce_dtype;  // default: param_dtype
+
+  c10::ScalarType compute(c10::ScalarType master) const { return param_dtype.value_or(master); }
+  c10::ScalarType reduce(c10::ScalarType master) const { return reduce_dtype.value_or(compute(master)); }
+};
+
+// "fp32"/"float32", "fp64"/"float64", "fp16"/"float16", "bf16"/"bfloat16"; throws ConfigError otherwise.
+c10::ScalarType parse_dtype(const std::string& name);
+std::string dtype_name(c10::ScalarType dtype);
+
+// Whether every rank checks that the ranks issue the same unit collectives in the same order (a mismatch would
+// pair different units' collectives): in the first step only (the default), always, or never.
+enum class OrderChecking { FirstStep, Always, Never };
 
 enum class ShardingStrategy {
   FullShard,    // ZeRO-3: parameters, gradients and optimizer state sharded; parameters gathered per unit use

@@ -1,17 +1,44 @@
-// defines: World (this process's place in the job: rank, size, store, process group, collectives) and init(),
-// which joins a job the way torchrun's workers do.
+// defines: joining a job the way torchrun's workers do: LaunchEnv and read_launch_env() (a launcher's variables
+// -- torchrun, gradsync launch, OpenMPI's mpirun -- validated before any socket is opened), World (this process's
+// place in the job: rank, size, store, process group, collectives) and init().
 #pragma once
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "gradsync/collectives.h"
-#include "gradsync/launch_env.h"
 
 namespace gradsync {
+
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr;  // empty when a store file is used or in a single-process world
+  int master_port = 0;      // 0 when unused
+  std::string store_file;   // GRADSYNC_STORE_FILE: a c10d FileStore handed over by `gradsync launch`
+  bool agent_store = false; // torchrun's TORCHELASTIC_USE_AGENT_STORE: every rank is a store client
+  int restart_count = 0;    // TORCHELASTIC_RESTART_COUNT: keeps store keys of a restarted job apart
+  std::string source;       // "torchrun", "openmpi" or "none" (single process)
+};
+
+// Looks a variable up; returns nullopt when unset. The default reads the process environment.
+using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
+std::optional<std::string> process_env(const std::string& name);
+
+// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun) or
+// OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (OpenMPI). With none of them set, the result is a
+// single-process world. Throws ConfigError naming the variable and its value for anything missing, not an
+// integer, or out of range.
+LaunchEnv read_launch_env(const EnvLookup& lookup = process_env);
+
+// ---- joining a job -------------------------------------------------------------------------------
 
 struct InitOptions {
   // Deadline for the rendezvous and for every collective. PyTorch's default is 30 minutes; tests use seconds.

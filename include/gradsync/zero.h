@@ -25,11 +25,10 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
-#include "gradsync/memory.h"
+#include "gradsync/stats.h"
 #include "gradsync/reduction.h"
 #include "gradsync/runtime.h"
 #include "gradsync/state_dict.h"
-#include "gradsync/traffic.h"
 
 namespace gradsync {
 

@@ -1,0 +1,42 @@
+// Communication volume accounting (see traffic.h).
+#include "gradsync/stats.h"
+
+#include <fstream>
+
+namespace gradsync {
+
+void CommStats::add_allgather(int64_t total_bytes, int world) {
+  allgather += total_bytes * (world - 1) / world;
+  ++calls;
+}
+
+void CommStats::add_reduce_scatter(int64_t total_bytes, int world) {
+  reduce_scatter += total_bytes * (world - 1) / world;
+  ++calls;
+}
+
+void CommStats::add_allreduce(int64_t bytes, int world) {
+  allreduce += 2 * bytes * (world - 1) / world;
+  ++calls;
+}
+
+CommStats CommStats::operator-(const CommStats& before) const {
+  CommStats d;
+  d.allgather = allgather - before.allgather;
+  d.reduce_scatter = reduce_scatter - before.reduce_scatter;
+  d.allreduce = allreduce - before.allreduce;
+  d.calls = calls - before.calls;
+  return d;
+}
+
+int64_t process_bytes_written() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "wchar:") return value;
+  }
+  return -1;
+}
+
+}  // namespace gradsync

@@ -1,0 +1,107 @@
+// Joining a job: environment -> store -> rendezvous check -> ProcessGroupGloo (see runtime.h).
+#include "gradsync/runtime.h"
+
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "gradsync/error.h"
+#include "runtime/rendezvous.h"
+
+namespace gradsync {
+namespace {
+
+std::string host_name() {
+  char buf[256] = {0};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
+  return buf;
+}
+
+bool is_loopback(const std::string& addr) {
+  return addr.empty() || addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
+}
+
+c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
+  if (env.world_size == 1 && env.store_file.empty() && env.master_addr.empty()) {
+    return c10::make_intrusive<c10d::HashStore>();  // single process: nothing to meet
+  }
+  if (!env.store_file.empty()) return c10::make_intrusive<c10d::FileStore>(env.store_file, env.world_size);
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<uint16_t>(env.master_port);
+  options.isServer = env.rank == 0 && !env.agent_store;
+  options.numWorkers = env.world_size;
+  options.waitWorkers = false;  // gradsync's rendezvous waits, and names the ranks that never came
+  options.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format(
+        "rank {} of {}: cannot {} the rendezvous store at {}:{}: {}", env.rank, env.world_size,
+        options.isServer ? "serve" : "connect to", env.master_addr, env.master_port, e.what()));
+  }
+}
+
+std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
+  if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(iface);
+  }
+  // A local job keeps its Gloo listeners on loopback; a multi-host job needs a routable address.
+  if (is_loopback(env.master_addr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+// A FileStore deletes its file when as many processes as it was told have destroyed it. After a failed
+// rendezvous those counts disagree (a rank with the wrong WORLD_SIZE, a duplicate), so a failing process could
+// delete the file under a peer that has not read it yet, leaving that peer waiting for its timeout instead of
+// failing at once with the same message. A failing process therefore never destroys its store.
+void keep_store_alive(const c10::intrusive_ptr<c10d::Store>& store) {
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Store>>();  // intentionally never freed
+  kept->push_back(store);
+}
+
+}  // namespace
+
+World::World(LaunchEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
+             std::chrono::milliseconds timeout)
+    : env_(std::move(env)),
+      store_(std::move(store)),
+      group_(std::move(group)),
+      timeout_(timeout),
+      comm_(group_, env_.rank, env_.world_size) {}
+
+std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
+                                       std::chrono::milliseconds timeout) {
+  const std::string prefix = fmt::format("gradsync/{}", env.restart_count);
+  store->setTimeout(timeout);
+  c10d::PrefixStore rendezvous_store(prefix + "/rendezvous", store);
+  try {
+    rendezvous(rendezvous_store, RendezvousInfo{env.rank, env.world_size, host_name(), static_cast<long>(getpid())},
+               timeout);
+  } catch (...) {
+    keep_store_alive(store);
+    throw;
+  }
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(gloo_device(env));
+  auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/pg", store);
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  try {
+    group = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, env.rank, env.world_size, options);
+  } catch (const std::exception& e) {
+    throw DistributedError(fmt::format("rank {} of {}: cannot connect the Gloo process group: {}", env.rank,
+                                       env.world_size, e.what()));
+  }
+  return std::make_shared<World>(env, store, group, timeout);
+}
+
+std::shared_ptr<World> init(const InitOptions& options) {
+  LaunchEnv env = options.env ? *options.env : read_launch_env();
+  auto store = connect_store(env, options.timeout);
+  return init_with_store(std::move(store), env, options.timeout);
+}
+
+}  // namespace gradsync

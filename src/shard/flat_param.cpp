@@ -1,0 +1,182 @@
+// One unit's flat, padded, sharded parameter (see flat_param.h).
+#include "shard/flat_param.h"
+
+#include <ATen/native/Resize.h>
+#include <fmt/format.h>
+
+#include "gradsync/error.h"
+
+namespace gradsync {
+namespace {
+
+void resize_storage(const torch::Tensor& t, int64_t bytes) {
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), static_cast<size_t>(bytes));
+}
+
+int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+FlatParam::FlatParam(const UnitPlan& plan, int rank, int world, bool sharded, const MixedPrecision& precision)
+    : name_(plan.name), params_(plan.params), rank_(rank), world_(world), sharded_(sharded), precision_(precision) {
+  if (params_.empty()) throw ConfigError(fmt::format("FSDP unit '{}' has no parameters", name_));
+  master_dtype_ = params_.front().scalar_type();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& p = params_[i];
+    if (!p.requires_grad()) {
+      throw ConfigError(fmt::format("FSDP unit '{}': parameter '{}' does not require grad; frozen parameters are "
+                                    "not supported in a flat parameter", name_, plan.param_names[i]));
+    }
+    if (p.scalar_type() != master_dtype_ || !p.is_floating_point()) {
+      throw ConfigError(fmt::format("FSDP unit '{}': parameter '{}' is {}, the unit's first is {}; a unit needs one "
+                                    "floating dtype", name_, plan.param_names[i], c10::toString(p.scalar_type()),
+                                    c10::toString(master_dtype_)));
+    }
+    entries_.push_back({plan.param_names[i], p.sizes().vec(), numel_, p.numel()});
+    numel_ += p.numel();
+  }
+  compute_dtype_ = precision_.compute(master_dtype_);
+  padded_numel_ = sharded_ ? round_up(numel_, world_) : numel_;
+  shard_numel_ = sharded_ ? padded_numel_ / world_ : numel_;
+  shard_offset_ = sharded_ ? rank_ * shard_numel_ : 0;
+
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> parts;
+  for (const auto& p : params_) parts.push_back(p.detach().reshape({-1}));
+  if (padded_numel_ > numel_) parts.push_back(torch::zeros({padded_numel_ - numel_}, parts.front().options()));
+  auto full_master = torch::cat(parts);
+
+  aliases_master_ = shard_numel_ == padded_numel_ && compute_dtype_ == master_dtype_;
+  if (aliases_master_) {
+    shard_ = full_master;
+    full_ = shard_.detach();  // same storage: the parameters are views of the master itself
+  } else {
+    shard_ = full_master.narrow(0, shard_offset_, shard_numel_).clone();
+    full_ = full_master.to(compute_dtype_).contiguous();  // every rank has the full values here: no gather
+  }
+  shard_.requires_grad_(true);
+  gathered_ = true;
+  bind_params_to_full();
+}
+
+void FlatParam::bind_params_to_full() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = entries_[i];
+    auto& p = params_[i];
+    // set_data keeps the parameter's identity (module registration, autograd meta); a dtype change resets its
+    // gradient accumulator, so hooks are installed after this (fsdp.cpp).
+    p.set_data(full_.narrow(0, e.offset, e.numel).view(e.shape));
+    p.mutable_grad() = torch::Tensor();
+  }
+}
+
+int64_t FlatParam::full_bytes() const {
+  return padded_numel_ * static_cast<int64_t>(c10::elementSize(compute_dtype_));
+}
+
+void FlatParam::gather(Collectives& comm, CommStats& stats) {
+  if (aliases_master_ || gathered_) return;
+  torch::NoGradGuard no_grad;
+  resize_storage(full_, full_bytes());
+  if (!sharded_) {
+    full_.copy_(shard_.detach());  // NO_SHARD with a compute dtype: a local cast, no communication
+  } else {
+    auto input = shard_.detach().to(compute_dtype_).contiguous();
+    auto source = gloo_copyable(input);
+    auto output = gloo_copyable(full_);
+    comm.allgather_flat(source, output);
+    stats.add_allgather(full_bytes(), world_);
+  }
+  gathered_ = true;
+}
+
+void FlatParam::free() {
+  if (aliases_master_ || !gathered_) return;
+  resize_storage(full_, 0);
+  gathered_ = false;
+}
+
+void FlatParam::ensure_grad_buffer() {
+  if (grad_buffer_.defined()) return;
+  torch::NoGradGuard no_grad;
+  grad_buffer_ = torch::zeros({padded_numel_}, torch::TensorOptions().dtype(compute_dtype_));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = entries_[i];
+    auto view = grad_buffer_.narrow(0, e.offset, e.numel).view(e.shape);
+    auto& grad = params_[i].mutable_grad();
+    if (grad.defined()) view.copy_(grad);  // a gradient autograd made before the buffer existed
+    grad = view;  // AccumulateGrad adds into it in place from now on
+  }
+}
+
+void FlatParam::release_grad_buffer() {
+  for (auto& p : params_) p.mutable_grad() = torch::Tensor();
+  grad_buffer_ = torch::Tensor();
+}
+
+void FlatParam::reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats) {
+  ensure_grad_buffer();  // a unit that received no gradient on this rank contributes zeros
+  torch::NoGradGuard no_grad;
+  const auto reduce_dtype = precision_.reduce(master_dtype_);
+  const auto wire_dtype = gloo_reduce_dtype(reduce_dtype);
+  auto grad = grad_buffer_.scalar_type() == reduce_dtype ? grad_buffer_ : grad_buffer_.to(reduce_dtype);
+  if (reduction == Reduction::Mean && world_ > 1) {
+    // See Note [Where the division happens]: x 1/N first, then a SUM, as DDP does (in the reduce dtype).
+    grad.mul_(1.0 / world_);
+  }
+  if (wire_dtype != reduce_dtype) grad = grad.to(wire_dtype);  // See Note [Mixed precision on Gloo]
+  torch::Tensor mine;
+  if (world_ == 1) {
+    mine = grad.narrow(0, 0, shard_numel_);
+  } else if (sharded_) {
+    mine = torch::empty({shard_numel_}, grad.options());
+    comm.reduce_scatter(grad, mine, Reduction::Sum);
+    stats.add_reduce_scatter(grad.numel() * static_cast<int64_t>(grad.element_size()), world_);
+  } else {
+    comm.allreduce(grad, Reduction::Sum);
+    stats.add_allreduce(grad.numel() * static_cast<int64_t>(grad.element_size()), world_);
+    mine = grad;
+  }
+  if (wire_dtype != reduce_dtype) mine = mine.to(reduce_dtype);
+  if (mine.scalar_type() != master_dtype_) mine = mine.to(master_dtype_);
+  auto& shard_grad = shard_.mutable_grad();
+  if (shard_grad.defined()) {
+    shard_grad.add_(mine);
+  } else {
+    // May alias the gradient buffer (NO_SHARD, no casting): releasing the buffer below only drops the parameters'
+    // views of it, so the shard gradient owns it from here.
+    shard_grad = mine.contiguous();
+  }
+  release_grad_buffer();
+}
+
+torch::Tensor FlatParam::full_master(Collectives& comm) {
+  torch::NoGradGuard no_grad;
+  if (!sharded_ || world_ == 1) return shard_.detach();
+  auto full = torch::empty({padded_numel_}, shard_.options().requires_grad(false));
+  auto output = gloo_copyable(full);
+  comm.allgather_flat(gloo_copyable(shard_.detach()), output);
+  return full;
+}
+
+void FlatParam::load_full_master(const torch::Tensor& full) {
+  if (full.numel() != padded_numel_) {
+    throw ConfigError(fmt::format("FSDP unit '{}': {} values given for a flat parameter of {}", name_, full.numel(),
+                                  padded_numel_));
+  }
+  torch::NoGradGuard no_grad;
+  shard_.detach().copy_(full.narrow(0, shard_offset_, shard_numel_));
+  free();
+}
+
+void FlatParam::count_params(StorageBytes& bytes) const {
+  bytes.add(shard_);
+  if (gathered_) bytes.add(full_);
+}
+
+void FlatParam::count_grads(StorageBytes& bytes) const {
+  bytes.add(shard_.grad());
+  bytes.add(grad_buffer_);
+}
+
+}  // namespace gradsync

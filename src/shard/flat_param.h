@@ -1,0 +1,101 @@
+// defines: FlatParam, one FSDP unit's parameters as a single flat buffer padded to a multiple of the world size:
+// the master shard each rank owns (what the optimizer steps), the gathered full buffer the module's parameters
+// are views of (what forward and backward compute with), and the unsharded gradient buffer their .grad are views
+// of until it is reduced into the shard's gradient.
+//
+//   full buffer  [ p0 | p1 | ... | padding ]       padded_numel = N * shard_numel, compute dtype
+//   rank r owns  [ r*shard_numel, (r+1)*shard_numel )  as a separate tensor (master dtype): shard()
+//
+// Freeing the full buffer releases its storage in place (at::native::resize_bytes_cpu to 0 bytes); gathering
+// re-allocates it and lets the all-gather write into it. Tensors autograd saved in forward are views of that same
+// storage, so they see the re-gathered values in backward (see /work/shared/reference/libtorch-1.13-facts.md).
+// Values are never written through the parameters themselves: that would bump their autograd version counters.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "gradsync/collectives.h"
+#include "gradsync/stats.h"
+#include "shard/mixed_precision.h"
+#include "gradsync/reduction.h"
+#include "shard/wrap_policy.h"
+
+namespace gradsync {
+
+struct FlatEntry {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  int64_t numel = 0;
+};
+
+class FlatParam {
+ public:
+  // Takes over the unit's parameters: their current values become the flat buffer's, and each parameter becomes a
+  // view of the full buffer (gathered on return). `sharded`: each rank owns 1/world of it (FULL_SHARD,
+  // SHARD_GRAD_OP); otherwise every rank owns all of it (NO_SHARD). Every parameter must require grad and share
+  // one floating dtype (ConfigError otherwise).
+  FlatParam(const UnitPlan& plan, int rank, int world, bool sharded, const MixedPrecision& precision);
+
+  const std::string& name() const { return name_; }
+  const std::vector<FlatEntry>& entries() const { return entries_; }
+  const std::vector<torch::Tensor>& params() const { return params_; }
+  int64_t numel() const { return numel_; }
+  int64_t padded_numel() const { return padded_numel_; }
+  int64_t shard_numel() const { return shard_numel_; }
+  int64_t shard_offset() const { return shard_offset_; }
+  c10::ScalarType master_dtype() const { return master_dtype_; }
+  c10::ScalarType compute_dtype() const { return compute_dtype_; }
+  // Bytes of the gathered full buffer: what the unit adds to a rank's memory while it is gathered.
+  int64_t full_bytes() const;
+
+  // The master shard: a leaf that requires grad, in the model's dtype. Build the optimizer over these.
+  torch::Tensor& shard() { return shard_; }
+
+  bool gathered() const { return gathered_; }
+  // The full buffer is the master shard itself (one owner, no casting): nothing to gather or free.
+  bool aliases_master() const { return aliases_master_; }
+  void gather(Collectives& comm, CommStats& stats);  // no-op when gathered
+  void free();                                       // no-op when aliasing the master or already free
+
+  bool has_grad_buffer() const { return grad_buffer_.defined(); }
+  // Allocates the zeroed unsharded gradient buffer and points every parameter's .grad at its region (a gradient
+  // autograd created elsewhere is copied in first). No-op when allocated.
+  void ensure_grad_buffer();
+  // Reduces the unsharded gradient over ranks (see Note [Where the division happens]) in the reduce dtype (see
+  // Note [Mixed precision on Gloo]), adds this rank's part to shard().grad() (sets it when undefined), then
+  // releases the buffer: reduce-scatter when sharded, allreduce otherwise.
+  void reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats);
+  void release_grad_buffer();  // .grad of the parameters becomes undefined
+
+  // The full padded master values, gathered from every rank (a collective when sharded).
+  torch::Tensor full_master(Collectives& comm);
+  // Takes this rank's part of `full` (padded_numel master values) as its shard; the full buffer is freed so the
+  // next gather sees the new values.
+  void load_full_master(const torch::Tensor& full);
+
+  void count_params(StorageBytes& bytes) const;
+  void count_grads(StorageBytes& bytes) const;
+
+ private:
+  void bind_params_to_full();
+
+  std::string name_;
+  std::vector<FlatEntry> entries_;
+  std::vector<torch::Tensor> params_;
+  int rank_ = 0, world_ = 1;
+  bool sharded_ = false;
+  MixedPrecision precision_;
+  c10::ScalarType master_dtype_ = torch::kFloat, compute_dtype_ = torch::kFloat;
+  int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, shard_offset_ = 0;
+  torch::Tensor shard_;        // master shard (leaf, requires grad)
+  torch::Tensor full_;         // full buffer in the compute dtype; storage freed when not gathered
+  torch::Tensor grad_buffer_;  // unsharded gradient (compute dtype), undefined when released
+  bool aliases_master_ = false;
+  bool gathered_ = false;
+};
+
+}  // namespace gradsync

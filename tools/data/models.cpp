@@ -1,0 +1,92 @@
+// models: model-spec parsing and construction. See models.h.
+#include "data/models.h"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <stdexcept>
+
+namespace gradsync::cli {
+namespace {
+
+constexpr const char* kAllowedSpecs = "expected mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT";
+
+[[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
+  throw std::invalid_argument(fmt::format("model spec '{}': {}; {}", spec, why, kAllowedSpecs));
+}
+
+// Strictly digits, no sign, no whitespace, > 0, fits in int64.
+int64_t parse_layer_size(const std::string& spec, const std::string& text) {
+  if (text.empty()) bad_spec(spec, "empty layer size (two '-' in a row, or a leading/trailing '-')");
+  int64_t value = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') bad_spec(spec, fmt::format("'{}' is not a positive integer", text));
+    const int digit = c - '0';
+    if (value > (std::numeric_limits<int64_t>::max() - digit) / 10) {
+      bad_spec(spec, fmt::format("layer size '{}' is too large", text));
+    }
+    value = value * 10 + digit;
+  }
+  if (value <= 0) bad_spec(spec, fmt::format("'{}' is not a positive integer", text));
+  return value;
+}
+
+}  // namespace
+
+ModelSpec parse_model_spec(const std::string& spec) {
+  const auto colon = spec.find(':');
+  if (colon == std::string::npos) {
+    bad_spec(spec, "missing ':' between the model kind and the layer sizes");
+  }
+  const std::string kind = spec.substr(0, colon);
+  ModelSpec out;
+  if (kind == "mlp") {
+    out.batch_norm = false;
+  } else if (kind == "mlp-bn") {
+    out.batch_norm = true;
+  } else {
+    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn)", kind));
+  }
+  const std::string sizes = spec.substr(colon + 1);
+  if (sizes.empty()) bad_spec(spec, "no layer sizes after ':'");
+  std::size_t start = 0;
+  while (true) {
+    const auto dash = sizes.find('-', start);
+    const std::string part =
+        sizes.substr(start, dash == std::string::npos ? std::string::npos : dash - start);
+    out.sizes.push_back(parse_layer_size(spec, part));
+    if (dash == std::string::npos) break;
+    start = dash + 1;
+  }
+  if (out.sizes.size() < 2) {
+    bad_spec(spec, fmt::format("got {} layer size, need at least two (input and output)", out.sizes.size()));
+  }
+  return out;
+}
+
+torch::nn::Sequential make_model(const ModelSpec& spec) {
+  if (spec.sizes.size() < 2) {
+    throw std::invalid_argument(fmt::format(
+        "model spec has {} layer sizes, need at least two (input and output)", spec.sizes.size()));
+  }
+  torch::nn::Sequential model;
+  const std::size_t layers = spec.sizes.size() - 1;
+  for (std::size_t i = 0; i < layers; ++i) {
+    const int64_t in = spec.sizes[i];
+    const int64_t out = spec.sizes[i + 1];
+    model->push_back(torch::nn::Linear(in, out));
+    if (i + 1 < layers) {
+      if (spec.batch_norm) model->push_back(torch::nn::BatchNorm1d(out));
+      model->push_back(torch::nn::ReLU());
+    }
+  }
+  return model;
+}
+
+torch::nn::Sequential make_model(const std::string& spec) { return make_model(parse_model_spec(spec)); }
+
+int64_t model_input_size(const std::string& spec) { return parse_model_spec(spec).input_size(); }
+
+int64_t model_output_size(const std::string& spec) { return parse_model_spec(spec).output_size(); }
+
+}  // namespace gradsync::cli

@@ -1,0 +1,217 @@
+// `gradsync lab`: "do data-parallel gradients sum or average?" answered with measurements (see lab.h). The
+// command prepares one initial model state and one global batch, runs the experiments in order, starts the
+// DDP ranks itself (launch() re-running this executable as `gradsync lab-rank`), then writes the report.
+// Progress goes to stderr; stdout carries the table, or with --json one JSON document.
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <set>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "data/data.h"
+#include "gradsync/error.h"
+#include "gradsync/state_dict.h"
+#include "lab/lab.h"
+#include "launch/launch.h"
+#include "data/models.h"
+
+namespace gradsync::cli {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxWorldSize = 64;
+
+std::string self_executable() {
+  std::error_code ec;
+  auto path = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) throw Error(fmt::format("lab: cannot resolve /proc/self/exe to start the ranks: {}", ec.message()));
+  return path.string();
+}
+
+// A scratch directory for the ranks' files, removed with this object.
+class ScratchDir {
+ public:
+  ScratchDir() {
+    std::string pattern = (fs::temp_directory_path() / "gradsync-lab-XXXXXX").string();
+    if (!mkdtemp(pattern.data())) throw Error(fmt::format("lab: cannot create a directory like {}", pattern));
+    path_ = pattern;
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+void validate(const LabConfig& c) {
+  if (c.world_sizes.empty()) throw ConfigError("--world-sizes is empty; expected e.g. 1,2,4");
+  for (int n : c.world_sizes) {
+    if (n < 1 || n > kMaxWorldSize) {
+      throw ConfigError(fmt::format("--world-sizes: {} is out of range; expected 1..{}", n, kMaxWorldSize));
+    }
+    if (c.ddp_batch / n < 1) {
+      throw ConfigError(fmt::format("--world-sizes: {} ranks cannot share a global batch of {}", n, c.ddp_batch));
+    }
+  }
+  if (std::set<int>(c.world_sizes.begin(), c.world_sizes.end()).size() != c.world_sizes.size()) {
+    throw ConfigError("--world-sizes lists a world size twice");
+  }
+}
+
+// The model's initial state and the global batch every in-process and DDP measurement uses. Returns the data
+// set's size.
+int64_t prepare_inputs(const LabConfig& c, const std::string& init_state, const std::string& batch_file) {
+  const auto spec = parse_model_spec(c.model);
+  fmt::print(stderr, "[lab] loading {}\n", c.data);
+  auto data = load_dataset(c.data, spec.input_size(), spec.output_size(), LossKind::CrossEntropy, c.seed);
+  const int64_t needed = std::max({*std::max_element(c.batch_sizes.begin(), c.batch_sizes.end()), c.ddp_batch,
+                                   c.accumulate * c.micro_batch});
+  if (data.size() < needed) {
+    throw ConfigError(fmt::format("--data {}: {} samples; the lab needs at least {} (its largest batch)", c.data,
+                                  data.size(), needed));
+  }
+  torch::manual_seed(c.seed);
+  auto model = make_model(spec);
+  save_state_dict(state_dict(*model), init_state);
+  // A random global batch, the same for every experiment and world size.
+  auto generator = at::detail::createCPUGenerator(c.seed + 1);
+  auto rows = torch::randperm(data.size(), generator, torch::kLong)
+                  .narrow(0, 0, std::max(c.ddp_batch, c.accumulate * c.micro_batch));
+  save_state_dict({{"inputs", data.inputs.index_select(0, rows).contiguous()},
+                   {"targets", data.targets.index_select(0, rows).contiguous()}},
+                  batch_file);
+  return data.size();
+}
+
+DdpResult run_ddp(const LabConfig& c, int n, const ScratchDir& scratch, UnevenResult* uneven) {
+  const auto start = Clock::now();
+  const int64_t global = usable_batch(c.ddp_batch, n);
+  fmt::print(stderr, "[lab] DDP, world size {}: starting {} rank(s), {} samples each\n", n, n, global / n);
+  const auto rank_dir = scratch.file(fmt::format("ddp-{}", n));
+  fs::create_directories(rank_dir);
+  LaunchOptions options;
+  options.nproc = n;
+  options.command = {self_executable(), "lab-rank", "--out", rank_dir, "--init", scratch.file("init.pt"),
+                     "--batch", scratch.file("batch.pt"), "--model", c.model, "--global-batch",
+                     std::to_string(global), "--timeout", fmt::format("{}", c.rank_timeout_seconds)};
+  const int status = launch(options);
+  if (status != 0) {
+    throw Error(fmt::format("lab: the DDP ranks at world size {} failed (exit status {}; their errors are above)",
+                            n, status));
+  }
+  auto result = analyse_ddp(c, n, rank_dir, scratch.file("init.pt"), scratch.file("batch.pt"), uneven);
+  result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  fmt::print(stderr, "[lab]   max |diff| to the mean {:.1e}, to the sum {:.1e}: {}{}  ({:.1f} s)\n", result.to_mean,
+             result.to_sum, result.verdict, result.note.empty() ? "" : " (" + result.note + ")", result.seconds);
+  if (uneven && n >= 2) {
+    fmt::print(stderr, "[lab]   uneven shares: Mean {:.1e} from the sample mean ({}); GlobalMean {:.1e} ({})\n",
+               uneven->to_global_mean, uneven->verdict, uneven->global_to_sample_mean, uneven->global_verdict);
+  }
+  fmt::print(stderr, "[lab]   FSDP full-shard: max |diff| to the mean {:.1e}, to the sum {:.1e}: {}{}\n",
+             result.fsdp_to_mean, result.fsdp_to_sum, result.fsdp_verdict,
+             result.fsdp_note.empty() ? "" : " (" + result.fsdp_note + ")");
+  return result;
+}
+
+bool conclusive(const LabResults& r) {
+  bool ok = r.loss.verdict != "inconclusive" && r.accumulation.raw_verdict != "neither" &&
+            r.accumulation.scaled_verdict != "neither";
+  for (const auto& d : r.ddp) ok = ok && d.verdict != "neither";
+  for (const auto& u : r.uneven) ok = ok && u.verdict != "neither" && u.global_verdict != "neither";
+  return ok;
+}
+
+struct LabCli {
+  std::string out_dir = "lab-report";
+  bool quick = false;
+  bool json = false;
+  std::vector<int> world_sizes{1, 2, 4};
+  std::string data = "fashion-mnist";
+  uint64_t seed = 0;
+};
+
+int run_lab(const LabCli& cli) {
+  const auto start = Clock::now();
+  LabResults results;
+  LabConfig& c = results.config;
+  c = lab_defaults(cli.quick);
+  c.out_dir = cli.out_dir;
+  c.json = cli.json;
+  c.world_sizes = cli.world_sizes;
+  c.data = cli.data;
+  c.seed = cli.seed;
+  validate(c);
+  fmt::print(stderr, "[lab] sum or mean? {} run: model {}, data {}, world sizes {}\n", c.quick ? "quick" : "full",
+             c.model, c.data, fmt::join(c.world_sizes, ","));
+
+  ScratchDir scratch;
+  results.dataset_size = prepare_inputs(c, scratch.file("init.pt"), scratch.file("batch.pt"));
+  results.loss = run_loss_vs_batch(c);
+  results.accumulation = run_accumulation(c, scratch.file("init.pt"), scratch.file("batch.pt"));
+  for (int n : c.world_sizes) {
+    UnevenResult uneven;
+    results.ddp.push_back(run_ddp(c, n, scratch, &uneven));
+    if (n >= 2) results.uneven.push_back(uneven);
+  }
+  results.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  fmt::print(stderr, "[lab] writing {}/\n", c.out_dir);
+  write_report(results);
+  if (!results.plots.rendered) fmt::print(stderr, "[lab] plots: {}\n", results.plots.message);
+
+  if (c.json) {
+    fmt::print("{}\n", to_json(results).dump(2));
+  } else {
+    fmt::print("{}\n{}\n\n{}\n\nreport, raw numbers and plots: {}/report.md\n", format_table(results),
+               answer_text(results, "en"), answer_text(results, "ko"), c.out_dir);
+  }
+  fmt::print(stderr, "[lab] done in {:.0f} s\n", results.seconds);
+  if (!conclusive(results)) {
+    fmt::print(stderr, "gradsync lab: a measurement matched neither hypothesis within {:g} (see the table)\n",
+               c.tolerance);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+LabConfig lab_defaults(bool quick) {
+  LabConfig c;
+  c.quick = quick;
+  if (quick) {
+    c.loss_steps = 30;
+    c.ddp_batch = 1024;
+  }
+  return c;
+}
+
+void add_lab_command(CLI::App& root, int& exit_code) {
+  auto cli = std::make_shared<LabCli>();
+  auto* cmd = root.add_subcommand(
+      "lab", "Sum or mean? Measure how losses, accumulated gradients and DDP gradients combine, on real data; "
+             "writes a report with plots");
+  cmd->add_option("--out", cli->out_dir, "directory for report.md, raw numbers and plots (default lab-report)");
+  cmd->add_flag("--quick", cli->quick, "fewer training steps and a smaller DDP batch (about a minute)");
+  cmd->add_option("--world-sizes", cli->world_sizes, "DDP world sizes to measure (default 1,2,4)")->delimiter(',');
+  cmd->add_flag("--json", cli->json, "print the results as one JSON document (progress stays on stderr)");
+  cmd->add_option("--data", cli->data, "fashion-mnist (default) or synthetic:N (N >= 4096)");
+  cmd->add_option("--seed", cli->seed, "seed of the model, the batch and the sampler (default 0)");
+  cmd->callback([cli, &exit_code] { exit_code = run_lab(*cli); });
+  add_lab_rank_command(root, exit_code);
+}
+
+}  // namespace gradsync::cli

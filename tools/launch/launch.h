@@ -1,0 +1,43 @@
+// defines: the local multi-process launcher behind `gradsync launch` (torchrun --standalone --no_python
+// equivalent), reusable by `gradsync train` to start its own ranks.
+#pragma once
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace CLI {
+class App;
+}
+
+namespace gradsync::cli {
+
+struct LaunchOptions {
+  int nproc = 1;                           // 1..1024
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;                     // 0: pick a free port
+  std::chrono::milliseconds grace{5000};   // SIGTERM -> SIGKILL grace period
+  bool prefix_output = true;               // "[rank<r>]: " before every output line
+  std::vector<std::string> command;        // argv; argv[0] looked up in PATH
+  std::vector<std::pair<std::string, std::string>> extra_env;  // set last: overrides everything else
+};
+
+// Throws std::invalid_argument naming the offending option, its value and what is allowed.
+void validate(const LaunchOptions& options);
+
+// Starts options.nproc ranks, each in its own process group with RANK, WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*,
+// OMP_NUM_THREADS and GRADSYNC_STORE_FILE set, forwards their (prefixed) output, and waits for all of them.
+// The first rank to fail (or a SIGINT/SIGTERM/SIGHUP to this process) stops the others: SIGTERM, then
+// SIGKILL after the grace period. Returns the exit status the CLI should return: 0 when every rank exited
+// 0, the first failing rank's exit code (128 + signal if it was killed), or 128 + signal when this process
+// was signalled. Every rank's process group is SIGKILLed before returning, so no process outlives it.
+// Installs temporary handlers for SIGINT/SIGTERM/SIGHUP/SIGCHLD/SIGPIPE (restored on return): call it
+// from one thread at a time, from a thread that outlives the ranks (ranks use PR_SET_PDEATHSIG).
+// Throws std::invalid_argument for invalid options (see validate()).
+int launch(const LaunchOptions& options);
+
+// `gradsync launch`: adds the subcommand to `root`; its callback stores the exit status in `exit_code`.
+void add_launch_command(CLI::App& root, int& exit_code);
+
+}  // namespace gradsync::cli

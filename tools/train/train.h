@@ -1,0 +1,77 @@
+// defines: the `gradsync train` job: its configuration (the CLI contract), the per-rank training loop, and the
+// orchestration that starts local ranks itself when no launcher did.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gradsync/runtime.h"
+
+namespace CLI {
+class App;
+}
+
+namespace gradsync::cli {
+
+struct TrainConfig {
+  std::string model;
+  std::string data;
+  int64_t global_batch = 0;       // samples per optimizer step over all ranks and micro-steps
+  int64_t accumulate = 1;         // micro-batches per optimizer step (K)
+  int world_size = 0;             // 0: not given (1, or the launcher's WORLD_SIZE)
+  std::string strategy = "ddp";   // local | ddp | fsdp-full | fsdp-grad-op | fsdp-no-shard | zero1
+  std::string optimizer = "sgd";  // sgd | adam
+  std::optional<double> lr;       // default: 0.01 for sgd (torch.optim requires one), 1e-3 for adam
+  std::optional<double> momentum;
+  double weight_decay = 0;
+  std::string loss = "ce";              // ce | mse
+  std::string loss_reduction = "mean";  // mean | sum: how one micro-batch's loss combines its samples
+  std::string reduction = "mean";       // mean | sum | global-mean: how ranks' gradients combine (PyTorch: mean)
+  std::optional<int64_t> steps;
+  std::optional<int64_t> epochs;
+  uint64_t seed = 0;
+  bool shuffle = true;
+  bool no_pad = false;            // every sample once per epoch; ranks may hold uneven counts
+  int replay_ranks = 0;           // local only: train on exactly the global batches of this many ranks
+  int64_t verify_every = 0;       // ddp only: every S steps, recompute the gradient in one process and compare
+  std::string inject_fault;       // tests only: "grad@STEP" or "diverge@STEP"
+  std::string init_state;
+  std::string save_state;
+  std::string log;
+  double timeout_seconds = 1800;  // process-group timeout (PyTorch's default: 30 min)
+  bool quiet = false;
+  // Sharded strategies (see sharded_training.h, docs/sharding.md).
+  std::string wrap;                       // fsdp-*: children | params:N | list:A,B (default children)
+  std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
+  std::string reduce_dtype;               // fsdp-*: gradient reduction dtype, default the param dtype
+  std::string accumulate_grads = "full";  // fsdp-*: full (no_sync) | sharded (reduce-scatter every micro-step)
+  bool report_memory = false;             // memory and bytes sent in log and summary (always on when sharded)
+};
+
+struct StepRecord {
+  int64_t step = 0;
+  int64_t epoch = 0;
+  double loss = 0;      // mean over the global batch (sum over the step's micro-batches of loss/K', mean over ranks)
+  int64_t samples = 0;  // samples consumed in the step over all ranks (padding duplicates included)
+  double seconds = 0;
+  int64_t memory_peak = -1;  // bytes of parameters + gradients + optimizer state at this rank's peak so far
+  int64_t sent_bytes = -1;   // bytes this rank's process wrote during the step (Gloo's sockets); -1: not reported
+};
+
+// Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.
+void validate(const TrainConfig& config, int world_size);
+
+// One rank's training loop (world is null for --strategy local). Returns the step records (every rank has the
+// same losses). Rank 0 writes --log and --save-state.
+std::vector<StepRecord> train_rank(const TrainConfig& config, const std::shared_ptr<World>& world);
+
+// The whole command: validates, then trains locally, as one rank under a launcher, or starts --world-size
+// local ranks itself (re-running this program with `argv` under the launcher). Returns the exit status.
+int run_train(const TrainConfig& config, const std::vector<std::string>& argv);
+
+// `gradsync train`: adds the subcommand to `root`; its callback stores the exit status in `exit_code`.
+void add_train_command(CLI::App& root, int& exit_code);
+
+}  // namespace gradsync::cli

@@ -1,0 +1,201 @@
+// One training step per strategy and reduction, and the gradient checks (see train_step.h).
+#include "train/train_step.h"
+
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "gradsync/accumulate.h"
+#include "gradsync/error.h"
+#include "gradsync/state_dict.h"
+#include "gradsync/verify.h"
+#include "data/models.h"
+
+namespace gradsync::cli {
+namespace {
+
+torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
+  auto inputs = ctx.data.inputs.index_select(0, indices);
+  if (ctx.sharded) return ctx.sharded->forward(inputs);
+  return ctx.ddp ? ctx.ddp->forward(inputs) : ctx.model.ptr()->forward(inputs);
+}
+
+torch::Tensor loss_of(const TrainConfig& c, const torch::Tensor& output, const torch::Tensor& target) {
+  namespace F = torch::nn::functional;
+  const bool mean = c.loss_reduction == "mean";
+  if (c.loss == "mse") {
+    return mean ? F::mse_loss(output, target, F::MSELossFuncOptions(torch::kMean))
+                : F::mse_loss(output, target, F::MSELossFuncOptions(torch::kSum));
+  }
+  return mean ? F::cross_entropy(output, target, F::CrossEntropyFuncOptions().reduction(torch::kMean))
+              : F::cross_entropy(output, target, F::CrossEntropyFuncOptions().reduction(torch::kSum));
+}
+
+int64_t count(const std::vector<torch::Tensor>& micro) {
+  int64_t n = 0;
+  for (const auto& m : micro) n += m.numel();
+  return n;
+}
+
+// Mean over ranks of the step loss and total samples, in float64 (one 16-byte allreduce per step).
+void reduce_record(const StepContext& ctx, StepRecord& record) {
+  if (ctx.world->size() == 1) return;
+  auto t = torch::tensor({record.loss, static_cast<double>(record.samples)}, torch::kDouble);
+  ctx.world->comm().allreduce(t, Reduction::Sum);
+  record.loss = t[0].item<double>() / ctx.world->size();
+  record.samples = static_cast<int64_t>(std::llround(t[1].item<double>()));
+}
+
+std::string encode(const std::vector<torch::Tensor>& micro) {
+  std::string out;
+  for (const auto& m : micro) {
+    for (int64_t i = 0; i < m.numel(); ++i) out += std::to_string(m[i].item<int64_t>()) + ",";
+    out += ";";
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> decode(const std::string& text) {
+  std::vector<torch::Tensor> out;
+  std::istringstream batches(text);
+  for (std::string batch; std::getline(batches, batch, ';');) {
+    std::vector<int64_t> ids;
+    std::istringstream items(batch);
+    for (std::string id; std::getline(items, id, ',');) ids.push_back(std::stoll(id));
+    out.push_back(torch::tensor(ids, torch::kLong));
+  }
+  return out;
+}
+
+// The weight of one micro-batch's (per-sample mean) loss in the step's gradient, by reduction:
+// Mean 1/(N*K'_r), Sum 1/K'_r, GlobalMean n_{r,k}/T. This is the single-process statement of each reduction.
+double micro_weight(Reduction reduction, int ranks, size_t group, int64_t items, int64_t total) {
+  switch (reduction) {
+    case Reduction::Mean: return 1.0 / (static_cast<double>(ranks) * static_cast<double>(group));
+    case Reduction::Sum: return 1.0 / static_cast<double>(group);
+    case Reduction::GlobalMean: return static_cast<double>(items) / static_cast<double>(total);
+  }
+  return 0;
+}
+
+int fault_step(const std::string& spec, const std::string& kind) {
+  const auto at = spec.find('@');
+  if (at == std::string::npos || spec.substr(0, at) != kind) return -1;
+  return std::stoi(spec.substr(at + 1));
+}
+
+}  // namespace
+
+torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices) {
+  return loss_of(ctx.config, forward(ctx, indices), ctx.data.targets.index_select(0, indices));
+}
+
+void run_ddp_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record) {
+  const auto group = static_cast<int64_t>(micro.size());
+  if (ctx.reduction == Reduction::GlobalMean) {
+    // Per-sample mean loss x sample count = summed per-sample loss; the reducer divides by the global count.
+    auto result = accumulate_global_mean(*ctx.ddp, group, [&](int64_t k) {
+      const auto& idx = micro[static_cast<size_t>(k)];
+      return ItemLoss{micro_batch_loss(ctx, idx) * static_cast<double>(idx.numel()), idx.numel()};
+    });
+    record.loss = result.mean_loss;
+    record.samples = result.total_items;
+  } else {
+    // accumulate() divides each micro-batch loss by the group size: .grad sums (see accumulate.h).
+    record.loss = accumulate(*ctx.ddp, group, [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
+    record.samples = count(micro);
+    reduce_record(ctx, record);
+  }
+  const int corrupt_at = fault_step(ctx.config.inject_fault, "grad");
+  if (corrupt_at == record.step && ctx.world->rank() == 0) {
+    torch::NoGradGuard no_grad;
+    ctx.model.ptr()->parameters().front().mutable_grad().mul_(1.5);  // a deliberately wrong gradient (tests only)
+  }
+}
+
+void run_local_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank,
+                    StepRecord& record) {
+  if (per_rank.size() == 1 && ctx.reduction != Reduction::GlobalMean) {
+    // The plain local recipe, operation for operation what a Python loop does: loss / K' per micro-batch.
+    const auto& micro = per_rank.front();
+    record.loss = accumulate(static_cast<int64_t>(micro.size()),
+                             [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
+    record.samples = count(micro);
+    return;
+  }
+  if (ctx.reduction == Reduction::GlobalMean) {
+    // The definition itself: the mean loss over the whole global batch, in one forward.
+    std::vector<torch::Tensor> all;
+    for (const auto& micro : per_rank) all.insert(all.end(), micro.begin(), micro.end());
+    if (all.empty()) return;
+    auto loss = micro_batch_loss(ctx, torch::cat(all));
+    loss.backward();
+    record.loss = loss.item<double>();
+    record.samples = torch::cat(all).numel();
+    return;
+  }
+  const int ranks = static_cast<int>(per_rank.size());
+  for (const auto& micro : per_rank) {
+    for (const auto& idx : micro) {
+      auto weighted = micro_batch_loss(ctx, idx) * micro_weight(ctx.reduction, ranks, micro.size(), 0, 0);
+      weighted.backward();
+      record.loss += weighted.item<double>();
+      record.samples += idx.numel();
+    }
+  }
+}
+
+void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& micro, int64_t step) {
+  auto& comm = ctx.world->comm();
+  auto everyone = comm.allgather_strings(encode(micro));
+  if (comm.rank() != 0) return;
+  std::vector<std::vector<torch::Tensor>> per_rank;
+  int64_t total = 0;
+  for (const auto& text : everyone) {
+    per_rank.push_back(decode(text));
+    total += count(per_rank.back());
+  }
+  // A fresh copy of the model at the pre-update parameters computes the gradient the reduction claims.
+  auto reference = make_model(ctx.config.model);
+  load_into(*reference, state_dict(*ctx.model.ptr()));
+  reference->train();
+  StepContext local{ctx.config, ctx.data, reference, nullptr, nullptr, ctx.reduction};
+  for (const auto& rank_micro : per_rank) {
+    for (const auto& idx : rank_micro) {
+      const double w = micro_weight(ctx.reduction, comm.size(), rank_micro.size(), idx.numel(), total);
+      (micro_batch_loss(local, idx) * w).backward();
+    }
+  }
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> got, expected;
+  auto ours = ctx.model.ptr()->named_parameters();
+  auto theirs = reference->named_parameters();
+  for (size_t i = 0; i < ours.size(); ++i) {
+    names.push_back(ours[i].key());
+    got.push_back(ours[i].value().grad());
+    expected.push_back(theirs[i].value().grad().defined() ? theirs[i].value().grad()
+                                                           : torch::zeros_like(theirs[i].value()));
+  }
+  // float32 gradients summed in a different order: allow 1e-4 of each parameter's largest entry, plus 1e-6.
+  auto check = compare_gradients(names, got, expected, 1e-4, 1e-6);
+  fmt::print(stderr, "gradsync verify: step {}: synchronised gradient vs one-process recomputation on {} samples: "
+             "max |diff| {:.3g} (largest entry {:.3g}, worst '{}'){}\n", step, total, check.max_abs_diff,
+             check.max_abs_ref, check.worst, check.ok ? "" : " -- FAILED");
+  if (!check.ok) {
+    throw DistributedError(fmt::format(
+        "gradient verification failed at step {} on rank 0: the synchronised gradient of '{}' differs from the "
+        "one-process recomputation by {:.3g} (tolerance 1e-6 + 1e-4 x largest entry)", step, check.worst,
+        check.max_abs_diff));
+  }
+}
+
+void verify_replicas(const StepContext& ctx, int64_t step) {
+  const int diverge_at = fault_step(ctx.config.inject_fault, "diverge");
+  if (diverge_at == step && ctx.world->rank() == ctx.world->size() - 1) {
+    torch::NoGradGuard no_grad;
+    ctx.model.ptr()->parameters().back().add_(1e-3);  // a deliberately divergent replica (tests only)
+  }
+  check_replicas_identical(ctx.world->comm(), *ctx.model.ptr());
+}
+
+}  // namespace gradsync::cli
