@@ -10,8 +10,9 @@
 
 #include <gtest/gtest.h>
 
-#include "gradsync/accumulate.h"
+#include "gradsync/engine.h"
 #include "gradsync/ddp.h"
+#include "gradsync/error.h"
 #include "gradsync/fsdp.h"
 #include "shard/wrap_policy.h"
 #include "shard/sharded_checkpoint.h"
@@ -91,14 +92,14 @@ GRADSYNC_WORKER(fsdp_equivalence) {
     FsdpOptions o;
     o.strategy = strategy_of(c.strategy);
     o.wrap = gradsync::parse_wrap_policy(c.wrap);
+    o.accumulation = c.accumulation == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
+                                                 : ShardedAccumulation::UnshardedGradients;
     FullyShardedDataParallel fsdp(fsdp_model, world, o);
-    WORKER_CHECK(sh::max_relative_difference(fsdp.full_state_dict(true), gradsync::state_dict(*local)) == 0,
+    WORKER_CHECK(sh::max_relative_difference(fsdp.state_dict(), gradsync::state_dict(*local)) == 0,
                  "{}: initial parameters are not rank 0's", text);
     auto local_opt = sh::make_optimizer(c.optimizer, local->parameters());
     auto ddp_opt = sh::make_optimizer(c.optimizer, ddp_model->parameters());
     auto fsdp_opt = sh::make_optimizer(c.optimizer, fsdp.parameters());
-    const auto mode = c.accumulation == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
-                                                  : ShardedAccumulation::UnshardedGradients;
     const int64_t b = 4;  // per-rank micro-batch
     double worst_local = 0, worst_ddp = 0;
     for (int64_t step = 0; step < 4; ++step) {
@@ -118,10 +119,10 @@ GRADSYNC_WORKER(fsdp_equivalence) {
       fsdp.zero_grad();
       gradsync::accumulate(fsdp, c.k, [&](int64_t m) {
         return F::cross_entropy(fsdp.forward(rank_x.narrow(0, m * b, b)), rank_y.narrow(0, m * b, b));
-      }, mode);
+      });
       fsdp_opt->step();
 
-      auto mine = parameters_only(fsdp.full_state_dict(/*all_ranks=*/true), *ddp_model);
+      auto mine = parameters_only(fsdp.state_dict(), *ddp_model);
       std::string key;
       const double d_ddp = sh::max_relative_difference(mine, parameters_only(gradsync::state_dict(*ddp_model),
                                                                                *ddp_model), &key);
@@ -142,7 +143,7 @@ GRADSYNC_WORKER(fsdp_equivalence) {
       }
     }
     // A negative control: the parameters moved, so equality above is not "nothing happened".
-    WORKER_CHECK(sh::max_relative_difference(fsdp.full_state_dict(true),
+    WORKER_CHECK(sh::max_relative_difference(fsdp.state_dict(),
                                              gradsync::state_dict(*sh::make_mlp(c.widths, c.batch_norm, 0))) > 1e-3,
                  "{}: training did not change the parameters", text);
     if (r == 0) {
@@ -240,7 +241,7 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
     F::cross_entropy(fsdp.forward(x), y).backward();
     opt->step();
   }
-  auto saved = fsdp.full_state_dict();
+  auto saved = fsdp.state_dict(/*rank0_only=*/true);
   if (r == 0) {
     auto reference = gradsync::state_dict(*sh::make_mlp(widths, true, 0));
     WORKER_CHECK(saved.size() == reference.size(), "{} entries, expected {}", saved.size(), reference.size());
@@ -259,8 +260,8 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
     o2.strategy = strategy;
     o2.wrap = gradsync::WrapPolicy::at_least(100);
     FullyShardedDataParallel loaded(other, world, o2);
-    loaded.load_full_state_dict(saved);
-    auto back = loaded.full_state_dict(true);
+    loaded.load_state_dict(saved);
+    auto back = loaded.state_dict();
     if (r == 0) {
       WORKER_CHECK(sh::max_relative_difference(back, saved) == 0, "{}: reloaded state differs",
                    gradsync::to_string(strategy));
@@ -275,11 +276,11 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
     }
     opt_a->step();
     opt_b->step();
-    const double d = sh::max_relative_difference(fsdp.full_state_dict(true), loaded.full_state_dict(true));
+    const double d = sh::max_relative_difference(fsdp.state_dict(), loaded.state_dict());
     WORKER_CHECK(d <= 1e-6, "{}: after one more step the re-sharded model differs by {}",
                  gradsync::to_string(strategy), d);
     // Put fsdp back for the next round: undo by reloading the saved state.
-    fsdp.load_full_state_dict(saved);
+    fsdp.load_state_dict(saved);
   }
   // A state dict with a missing and an unexpected key fails on every rank (not only rank 0), naming them.
   StateDict bad;
@@ -288,7 +289,7 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
   }
   if (r == 0) bad.emplace_back("9.weight", torch::zeros({1}));
   try {
-    fsdp.load_full_state_dict(bad);
+    fsdp.load_state_dict(bad);
     WORKER_CHECK(false, "a bad state dict was accepted");
   } catch (const gradsync::ConfigError& e) {
     const std::string what = e.what();
@@ -334,14 +335,14 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
   train(fsdp, *opt, 0, 2);
   fsdp.save_sharded(dir, opt.get());
   train(fsdp, *opt, 2, 4);
-  auto uninterrupted = fsdp.full_state_dict(true);
+  auto uninterrupted = fsdp.state_dict();
 
   auto model2 = sh::make_mlp(widths, false, 5);
   FullyShardedDataParallel resumed(model2, world);
   auto opt2 = sh::make_optimizer("adam", resumed.parameters());
   resumed.load_sharded(dir, opt2.get());
   train(resumed, *opt2, 2, 4);
-  const double d = sh::max_relative_difference(resumed.full_state_dict(true), uninterrupted);
+  const double d = sh::max_relative_difference(resumed.state_dict(), uninterrupted);
   WORKER_CHECK(d == 0, "resumed training differs by {}", d);
   // Without the optimizer state the resumed run must differ (Adam's moments matter): the test can fail.
   auto model3 = sh::make_mlp(widths, false, 5);
@@ -349,7 +350,7 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
   auto opt3 = sh::make_optimizer("adam", no_state.parameters());
   no_state.load_sharded(dir, nullptr);
   train(no_state, *opt3, 2, 4);
-  WORKER_CHECK(sh::max_relative_difference(no_state.full_state_dict(true), uninterrupted) > 1e-4,
+  WORKER_CHECK(sh::max_relative_difference(no_state.state_dict(), uninterrupted) > 1e-4,
                "optimizer state made no difference");
   // A checkpoint loads only with the world size it was written with: a clear error on every rank.
   FsdpOptions no_shard;
@@ -409,7 +410,7 @@ GRADSYNC_WORKER(fsdp_clip) {
         WORKER_CHECK(std::abs(total - expected) <= 1e-5 * expected, "{} norm {}: step {}: {} vs unsharded {}",
                      strategy, norm_type, step, total, expected);
         WORKER_CHECK(expected > 0.05, "the norm {} must exceed max_norm for the test to clip", expected);
-        const double d = sh::max_relative_difference(fsdp.full_state_dict(true), gradsync::state_dict(*local));
+        const double d = sh::max_relative_difference(fsdp.state_dict(), gradsync::state_dict(*local));
         WORKER_CHECK(d <= 1e-5, "{}: clipped step differs by {}", strategy, d);
       }
     }
@@ -568,7 +569,7 @@ GRADSYNC_WORKER(fsdp_mixed_precision) {
       }
       opt->step();
     }
-    return fsdp.full_state_dict(true);
+    return fsdp.state_dict();
   };
   auto reference = train({}, false);
   for (const char* reduce : {"fp32", "bf16", "fp16"}) {

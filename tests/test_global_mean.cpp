@@ -5,7 +5,7 @@
 
 #include <gtest/gtest.h>
 
-#include "gradsync/accumulate.h"
+#include "gradsync/engine.h"
 #include "gradsync/ddp.h"
 #include "gradsync/sampler.h"
 #include "support/subprocess.h"

@@ -4,7 +4,7 @@
 // checkpoint, and clip like clip_grad_norm_ on unsharded gradients.
 #include <gtest/gtest.h>
 
-#include "gradsync/accumulate.h"
+#include "gradsync/engine.h"
 #include "gradsync/ddp.h"
 #include "gradsync/zero.h"
 #include "sharding_common.h"
@@ -45,8 +45,8 @@ GRADSYNC_WORKER(zero1_equivalence) {
     Zero1DataParallel zero(zero_model, world);
     auto local_opt = sh::make_optimizer(optimizer, local->parameters());
     auto ddp_opt = sh::make_optimizer(optimizer, ddp_model->parameters());
-    auto zero_opt = sh::make_optimizer(optimizer, zero->parameters());
-    zero->track_optimizer(zero_opt.get());
+    auto zero_opt = sh::make_optimizer(optimizer, zero.parameters());
+    zero.track_optimizer(zero_opt.get());
     const int64_t b = 4;
     double worst = 0;
     for (int64_t step = 0; step < 4; ++step) {
@@ -63,11 +63,12 @@ GRADSYNC_WORKER(zero1_equivalence) {
         return F::cross_entropy(ddp.forward(rx.narrow(0, m * b, b)), ry.narrow(0, m * b, b));
       });
       ddp_opt->step();
-      zero->zero_grad();
+      zero.zero_grad();
       gradsync::accumulate(zero, k, [&](int64_t m) {
         return F::cross_entropy(zero.forward(rx.narrow(0, m * b, b)), ry.narrow(0, m * b, b));
       });
-      zero->step(*zero_opt);
+      zero_opt->step();
+      zero.sync_parameters();  // the all-gather otherwise waits for the next forward
       // Parameters are whole on every rank: compare them directly (buffers are per rank, as in DDP).
       auto mine = gradsync::state_dict(*zero_model);
       auto theirs = gradsync::state_dict(*ddp_model);
@@ -83,14 +84,14 @@ GRADSYNC_WORKER(zero1_equivalence) {
     }
     // Optimizer state: 1/N of DDP's (up to the padding of the flat parameter).
     const int64_t ddp_state = gradsync::optimizer_state_bytes(*ddp_opt);
-    const int64_t zero_state = zero->memory().current.optimizer;
+    const int64_t zero_state = zero.memory().current.optimizer;
     if (optimizer != "plain") {
       WORKER_CHECK(zero_state * n <= ddp_state + 4 * 2 * n * n && zero_state * n >= ddp_state,
                    "optimizer state {} bytes on rank {}, DDP's {} / {}", zero_state, r, ddp_state, n);
     }
     if (r == 0) {
       fmt::print("N={} zero1 {:<22} max rel diff {:.2e}; optimizer state {} per rank vs DDP {}; {}\n", n, text, worst,
-                 gradsync::format_bytes(zero_state), gradsync::format_bytes(ddp_state), zero->memory().to_string());
+                 gradsync::format_bytes(zero_state), gradsync::format_bytes(ddp_state), zero.memory().to_string());
     }
   }
   return 0;
@@ -127,14 +128,14 @@ GRADSYNC_WORKER(zero1_state) {
   const int n = world->size();
   const std::string dir = args.at(0);
   const std::string widths = "6-13-7-3";
-  auto train = [&](Zero1DataParallel<torch::nn::Sequential>& zero, torch::optim::Optimizer& opt, int64_t from,
+  auto train = [&](Zero1DataParallel& zero, torch::optim::Optimizer& opt, int64_t from,
                    int64_t to, double clip, torch::nn::Sequential* local, torch::optim::Optimizer* local_opt) {
     for (int64_t step = from; step < to; ++step) {
       auto [x, y] = sh::global_batch(step, 4 * n, 6, 3);
-      zero->zero_grad();
+      zero.zero_grad();
       F::cross_entropy(zero.forward(x.narrow(0, 4 * r, 4)), y.narrow(0, 4 * r, 4)).backward();
       if (clip > 0) {
-        const double total = zero->clip_grad_norm(clip);
+        const double total = zero.clip_grad_norm(clip);
         if (local) {
           local_opt->zero_grad();
           F::cross_entropy((*local)->forward(x), y).backward();
@@ -144,35 +145,36 @@ GRADSYNC_WORKER(zero1_state) {
                        "clip: total norm {} vs unsharded {}", total, expected);
         }
       }
-      zero->step(opt);
+      opt.step();
+      zero.sync_parameters();  // the all-gather otherwise waits for the next forward
     }
   };
   auto model = sh::make_mlp(widths, false, 0);
   Zero1DataParallel zero(model, world);
-  auto opt = sh::make_optimizer("adam", zero->parameters());
+  auto opt = sh::make_optimizer("adam", zero.parameters());
   train(zero, *opt, 0, 2, 0, nullptr, nullptr);
-  zero->save_sharded(dir, opt.get());
+  zero.save_sharded(dir, opt.get());
   train(zero, *opt, 2, 4, 0, nullptr, nullptr);
   auto uninterrupted = gradsync::state_dict(*model);
   auto model2 = sh::make_mlp(widths, false, 9);
   Zero1DataParallel resumed(model2, world);
-  auto opt2 = sh::make_optimizer("adam", resumed->parameters());
-  resumed->load_sharded(dir, opt2.get());
+  auto opt2 = sh::make_optimizer("adam", resumed.parameters());
+  resumed.load_sharded(dir, opt2.get());
   train(resumed, *opt2, 2, 4, 0, nullptr, nullptr);
   WORKER_CHECK(sh::max_relative_difference(gradsync::state_dict(*model2), uninterrupted) == 0,
                "resumed ZeRO-1 training differs");
   // Full state dict from rank 0 into a fresh model.
-  auto full = resumed->full_state_dict();
+  auto full = resumed.state_dict(/*rank0_only=*/true);
   auto model3 = sh::make_mlp(widths, false, 11);
   Zero1DataParallel reloaded(model3, world);
-  reloaded->load_full_state_dict(full);
+  reloaded.load_state_dict(full);
   WORKER_CHECK(sh::max_relative_difference(gradsync::state_dict(*model3), uninterrupted) == 0,
                "full state dict did not round-trip");
   // clip_grad_norm against one process with plain SGD.
   auto local = sh::make_mlp(widths, false, 0);
   auto model4 = sh::make_mlp(widths, false, 0);
   Zero1DataParallel clipped(model4, world);
-  auto opt4 = sh::make_optimizer("plain", clipped->parameters());
+  auto opt4 = sh::make_optimizer("plain", clipped.parameters());
   auto local_opt = sh::make_optimizer("plain", local->parameters());
   train(clipped, *opt4, 0, 3, 0.05, &local, local_opt.get());
   WORKER_CHECK(sh::max_relative_difference(gradsync::state_dict(*model4), gradsync::state_dict(*local)) <= 1e-5,

@@ -1,5 +1,11 @@
-// defines: DistributedDataParallel<ModuleHolder>, data parallelism for any torch::nn module holder
-// (torch::nn::Sequential, torch::nn::Linear, your own TORCH_MODULE). The work is done by Reducer (reducer.h).
+// defines: DistributedDataParallel, data parallelism for any torch::nn module (torch::nn::Sequential,
+// torch::nn::Linear, your own TORCH_MODULE), with PyTorch DDP's semantics and bucket layout. One gradient's path:
+//
+//   AccumulateGrad(param) writes .grad            (sums over micro-batches while no_sync is active)
+//     -> hook: copy .grad into its bucket, x 1/N  (the division of Reduction::Mean, see reduction.h)
+//        -> bucket complete: async SUM allreduce  (overlaps the rest of backward)
+//   final callback (still inside backward()): unused parameters -> zeros, wait for every bucket,
+//     .grad = bucket contents                     (the mean over ranks, or the sum)
 //
 //   auto world = gradsync::init();
 //   gradsync::DistributedDataParallel ddp(model, world);   // default Reduction::Mean, as PyTorch DDP
@@ -7,42 +13,73 @@
 //   loss.backward();                                       // gradients are the mean over ranks on return
 //   optimizer.step();
 #pragma once
+#include <cstddef>
 #include <memory>
-#include <utility>
+#include <string>
+#include <vector>
 
-#include "ddp/reducer.h"
+#include "gradsync/engine.h"
+#include "gradsync/runtime.h"
 
 namespace gradsync {
 
-template <typename ModuleHolder>
-class DistributedDataParallel {
+struct DdpOptions {
+  Reduction reduction = Reduction::Mean;     // PyTorch DDP: mean
+  size_t bucket_cap_bytes = 25u << 20;       // PyTorch's bucket_cap_mb=25
+  size_t first_bucket_bytes = 1u << 20;      // PyTorch's first bucket: small so communication starts early
+  bool find_unused_parameters = false;       // unused parameters then contribute zeros instead of failing
+  bool broadcast_buffers = true;             // rank 0's buffers before every forward that follows a synced one
+  bool gradient_as_bucket_view = false;      // .grad aliases the bucket: saves a copy; zero with zero_grad()
+};
+
+// When things happened in the last synchronised backward, in ms since its first gradient hook: shows that
+// bucket allreduces start while backward is still computing earlier layers' gradients.
+struct BackwardTimeline {
+  std::vector<double> bucket_launch_ms;
+  double last_hook_ms = 0;   // the last parameter's gradient was ready (backward compute ended)
+  double finalize_ms = 0;    // the end-of-backward callback began waiting
+};
+
+class Reducer;  // the gradient engine behind it (buckets, hooks); private to the library
+
+class DistributedDataParallel : public Engine {
  public:
-  DistributedDataParallel(ModuleHolder module, std::shared_ptr<World> world, DdpOptions options = {})
-      : module_(std::move(module)), reducer_(std::make_unique<Reducer>(module_.ptr(), std::move(world), options)) {}
+  // Checks that every rank has the same parameters (count, names, shapes, dtypes) and buffers, failing on every
+  // rank with the first difference; then broadcasts rank 0's parameters and buffers and installs the hooks.
+  DistributedDataParallel(const ModuleRef& module, std::shared_ptr<World> world, DdpOptions options = {});
+  ~DistributedDataParallel() override;
 
-  // Runs the module's forward between the buffer broadcast and the arming of the gradient hooks.
-  template <typename... Args>
-  auto forward(Args&&... args) {
-    reducer_->before_forward();
-    auto output = module_->forward(std::forward<Args>(args)...);
-    reducer_->after_forward();
-    return output;
-  }
-  template <typename... Args>
-  auto operator()(Args&&... args) {
-    return forward(std::forward<Args>(args)...);
-  }
+  using Engine::forward;
+  bool require_sync() const override;
+  void set_require_sync(bool sync) override;
+  std::vector<torch::Tensor> parameters() const override;  // the parameters that require grad
+  // Zeroes gradients in place (works when .grad is a view of a bucket, where Optimizer::zero_grad() throws).
+  void zero_grad() override;
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) override;  // every rank holds the whole gradient
+  void track_optimizer(const torch::optim::Optimizer* optimizer) override;
+  StateDict state_dict(bool rank0_only = false) override;  // this rank's own module (replicas are equal)
+  void load_state_dict(const StateDict& state) override;  // rank 0's state, then broadcast
+  MemoryStats memory() const override;   // module parameters, .grad, optimizer state (buckets not counted)
+  CommStats traffic() const override;    // bucket allreduces
+  torch::nn::Module& module() override;
+  Reduction reduction() const override;
+  const char* name() const override { return "DistributedDataParallel"; }
+  Collectives* comm() override;
 
-  // RAII: forward/backward passes in scope accumulate locally without communication.
-  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*reducer_); }
-  void zero_grad() { reducer_->zero_grad(); }
+  void begin_forward() override;  // rebuilds buckets once; broadcasts buffers when PyTorch would
+  void end_forward() override;    // arms the hooks for the coming backward, unless syncing is off
+  void join_backward() override;
+  // Must be set before the synchronising backward (accumulate_global_mean() does it). Cleared after it.
+  void set_global_item_count(int64_t items) override;
 
-  ModuleHolder& module() { return module_; }
-  Reducer& reducer() { return *reducer_; }
+  const DdpOptions& options() const;
+  World& world();
+  size_t bucket_count() const;
+  std::vector<std::vector<std::string>> bucket_parameter_names() const;
+  BackwardTimeline last_timeline() const;
 
  private:
-  ModuleHolder module_;
-  std::unique_ptr<Reducer> reducer_;  // stable address: autograd hooks refer to its state
+  std::shared_ptr<Reducer> reducer_;  // autograd hooks hold weak references to it
 };
 
 }  // namespace gradsync

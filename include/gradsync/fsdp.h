@@ -10,6 +10,9 @@
 //   optimizer.step();
 //   fsdp.zero_grad();
 //
+// The engine interface (engine.h) is DDP's: no_sync(), accumulate(), clip_grad_norm(), state_dict() (gathered),
+// memory() and traffic(); a training loop written for one engine runs this one unchanged.
+//
 // One unit's life in a FULL_SHARD step (a unit is a group of children chosen by the wrap policy; its parameters
 // are one flat buffer, see flat_param.h):
 //   forward   all-gather -> run the unit's children -> free (reshard); a hook goes on the unit's output
@@ -27,7 +30,7 @@
 //
 // Semantics (see Note [Where the division happens]): Reduction::Mean multiplies by 1/N, then SUM-reduces, exactly
 // as DDP; the optimizer, elementwise (SGD, Adam), updates each rank's slice with that slice's mean gradient,
-// which is the unsharded update. Accumulation: see accumulate() at the end of this file.
+// which is the unsharded update. Accumulation: FsdpOptions::accumulation.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -37,9 +40,7 @@
 
 #include <torch/torch.h>
 
-#include <fmt/format.h>
-
-#include "gradsync/error.h"
+#include "gradsync/engine.h"
 #include "gradsync/stats.h"
 #include "gradsync/reduction.h"
 #include "gradsync/runtime.h"
@@ -60,7 +61,7 @@ struct WrapPolicy {
   static WrapPolicy children();
   static WrapPolicy at_least(int64_t min_params);
   static WrapPolicy list(std::vector<std::string> names);
-  // The CLI spelling: "children", "params:N", "list:A,B,...".
+  // The text parse_wrap_policy() reads: "children", "params:N", "list:A,B,...".
   std::string to_string() const;
 };
 
@@ -91,6 +92,17 @@ enum class ShardingStrategy {
 };
 const char* to_string(ShardingStrategy strategy);  // "full_shard", "shard_grad_op", "no_shard"
 
+// How K micro-batches combine under FSDP. Both give the same gradient (sum over micro-batches of loss_k/K, mean
+// over ranks); they trade memory for communication:
+enum class ShardedAccumulation {
+  // K-1 micro-steps under no_sync(): each unit's unsharded gradient buffer stays allocated and sums locally, one
+  // reduction per step. Costs a full gradient (Psi x compute dtype) per rank between micro-steps.
+  UnshardedGradients,
+  // Every micro-step reduce-scatters and adds into the shard gradient: gradient memory stays 1/N, K reductions per
+  // step. Every rank must then run the same number of micro-batches (a rank without data joins one).
+  ReduceEveryMicroStep,
+};
+
 struct FsdpOptions {
   ShardingStrategy strategy = ShardingStrategy::FullShard;
   WrapPolicy wrap = WrapPolicy::children();
@@ -98,6 +110,7 @@ struct FsdpOptions {
   Reduction reduction = Reduction::Mean;  // PyTorch DDP/FSDP: mean
   bool broadcast_buffers = true;         // rank 0's buffers before a forward that follows a synced one (as DDP)
   OrderChecking order_checking = OrderChecking::FirstStep;
+  ShardedAccumulation accumulation = ShardedAccumulation::UnshardedGradients;  // what accumulate() does
 };
 
 struct UnitInfo {
@@ -107,127 +120,66 @@ struct UnitInfo {
   int64_t full_bytes = 0;  // gathered parameters in the compute dtype
 };
 
-class FsdpNoSyncGuard;
+class ShardedUnits;  // the units and when they are gathered, freed and reduced; private to the library
 
-class FullyShardedDataParallel {
+class FullyShardedDataParallel : public Engine {
  public:
   // Checks that every rank has the same model and unit plan (DistributedError otherwise), broadcasts rank 0's
   // parameters and buffers, flattens each unit and keeps this rank's shard. Parameters must require grad and share
   // one dtype per unit.
-  FullyShardedDataParallel(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<World> world,
-                           FsdpOptions options = {});
-  template <typename ModuleHolder, typename = decltype(std::declval<ModuleHolder>().ptr())>
-  FullyShardedDataParallel(const ModuleHolder& module, std::shared_ptr<World> world, FsdpOptions options = {})
-      : FullyShardedDataParallel(std::static_pointer_cast<torch::nn::Module>(module.ptr()), std::move(world),
-                                 std::move(options)) {}
-  ~FullyShardedDataParallel();
-  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
-  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel(const ModuleRef& module, std::shared_ptr<World> world, FsdpOptions options = {});
+  ~FullyShardedDataParallel() override;
 
-  // The module must be a torch::nn::Sequential (ConfigError otherwise). A floating input is cast to the
-  // param dtype; the output is in the param dtype.
-  torch::Tensor forward(const torch::Tensor& input);
-  torch::Tensor operator()(const torch::Tensor& input) { return forward(input); }
-  // Any module: `body` computes the forward and calls unit() around each unit's part, in the same order on every
-  // rank (checked in the first step, see order_check.h).
-  torch::Tensor forward_with(const std::function<torch::Tensor()>& body);
+  // The module must be a torch::nn::Sequential (ConfigError otherwise); it runs child by child, each unit gathered
+  // around its children. A floating input is cast to the param dtype; the output is in the param dtype. Any other
+  // module: forward_with(body), where body calls unit() around each unit's part, in the same order on every rank
+  // (checked in the first step, see OrderChecking).
+  torch::Tensor forward(const torch::Tensor& input) override;
   torch::Tensor unit(const std::string& name, const std::function<torch::Tensor()>& fn);
 
-  // Gradient synchronisation on/off for the coming forward/backward (accumulation micro-steps).
-  [[nodiscard]] FsdpNoSyncGuard no_sync();
-  bool require_sync() const;
-  void set_require_sync(bool sync);
-  // The next forward continues the current optimizer step (a synchronised accumulation micro-step): like a forward
-  // after no_sync, it does not re-broadcast buffers, so BatchNorm statistics follow DDP's once-per-step rule.
-  void continue_accumulation();
-
+  bool require_sync() const override;
+  void set_require_sync(bool sync) override;
   // This rank's shards, one per unit (leaves that require grad): what the optimizer steps.
-  std::vector<torch::Tensor> parameters() const;
+  std::vector<torch::Tensor> parameters() const override;
   // Shard gradients become undefined and unsharded gradient buffers are released.
-  void zero_grad();
-  // The optimizer whose state memory() counts (not owned; pass nullptr before destroying it).
-  void track_optimizer(const torch::optim::Optimizer* optimizer);
-  // Clips the shard gradients so the norm of the whole gradient is <= max_norm (see clip_grad.h); call after the
-  // synchronising backward. Returns the total norm (the unsharded one), equal on every rank.
-  double clip_grad_norm(double max_norm, double norm_type = 2.0);
+  void zero_grad() override;
+  // Clips the shard gradients so the norm of the whole gradient is <= max_norm; call after the synchronising
+  // backward. Returns the total norm (the unsharded one), equal on every rank.
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) override;
+  void track_optimizer(const torch::optim::Optimizer* optimizer) override;
+  // Collective: every unit is gathered (master dtype). Buffers are rank 0's.
+  StateDict state_dict(bool rank0_only = false) override;
+  // Collective: rank 0's state re-sharded. Optimizer state is not touched.
+  void load_state_dict(const StateDict& state) override;
+  MemoryStats memory() const override;
+  CommStats traffic() const override;  // bytes this rank sent in unit collectives since construction
+  torch::nn::Module& module() override;
+  Reduction reduction() const override;
+  const char* name() const override { return "FullyShardedDataParallel"; }
+  Collectives* comm() override;
 
-  // Collective. The unwrapped module's state dict (Python's keys and order, master dtype) on rank 0, or on every
-  // rank with all_ranks; other ranks get an empty one. Buffers are rank 0's.
-  StateDict full_state_dict(bool all_ranks = false);
-  // Collective. Loads rank 0's `state` (other ranks may pass an empty one) and re-shards it. Strict: a missing,
-  // unexpected or mis-shaped key fails on every rank. Optimizer state is not touched.
-  void load_full_state_dict(const StateDict& state);
-  // Collective. This rank's shards (and the optimizer state of them, if given) in DIR (see sharded_checkpoint.h).
+  void begin_forward() override;
+  void end_forward() override;
+  void abort_forward() override;
+  // Replays the unit collectives of this rank's last synchronised step with zero gradients; a rank needs one such
+  // step before it can join (ConfigError otherwise: the unit order is only known once a backward has run).
+  void join_backward() override;
+  bool reduces_every_micro_step() const override;
+  void continue_accumulation() override;
+
+  // Collective. This rank's shards (and the optimizer state of them, if given) in DIR: shard-<rank>-of-<N>.pt, a
+  // dict Python's torch.load reads. Loading needs the same world size and units (use state_dict() to change them).
   void save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer = nullptr);
   void load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer = nullptr);
 
-  MemoryStats memory() const;
   void reset_peak_memory();
-  CommStats comm_stats() const;  // bytes this rank sent in unit collectives since construction
   std::vector<UnitInfo> units() const;
   // Bytes of the largest unit's gathered parameters plus its unsharded gradient: what one unit adds at its peak.
   int64_t largest_unit_bytes() const;
   const FsdpOptions& options() const;
-  torch::nn::Module& module();
-
-  struct State;
 
  private:
-  std::shared_ptr<State> state_;
+  std::shared_ptr<ShardedUnits> units_;  // autograd hooks hold weak references to it
 };
-
-class FsdpNoSyncGuard {
- public:
-  explicit FsdpNoSyncGuard(FullyShardedDataParallel& fsdp) : fsdp_(fsdp), previous_(fsdp.require_sync()) {
-    fsdp_.set_require_sync(false);
-  }
-  ~FsdpNoSyncGuard() { fsdp_.set_require_sync(previous_); }
-  FsdpNoSyncGuard(const FsdpNoSyncGuard&) = delete;
-  FsdpNoSyncGuard& operator=(const FsdpNoSyncGuard&) = delete;
-
- private:
-  FullyShardedDataParallel& fsdp_;
-  bool previous_;
-};
-
-inline FsdpNoSyncGuard FullyShardedDataParallel::no_sync() { return FsdpNoSyncGuard(*this); }
-
-// How K micro-batches combine under FSDP. Both give the same gradient (sum over micro-batches of loss_k/K, mean
-// over ranks); they trade memory for communication:
-enum class ShardedAccumulation {
-  // K-1 micro-steps under no_sync(): each unit's unsharded gradient buffer stays allocated and sums locally, one
-  // reduction per step. Costs a full gradient (Psi x compute dtype) per rank between micro-steps.
-  UnshardedGradients,
-  // Every micro-step reduce-scatters and adds into the shard gradient: gradient memory stays Psi/N, but the
-  // reduce-scatter traffic is paid K times.
-  ReduceEveryMicroStep,
-};
-
-// accumulate() for FSDP: micro_loss(k) runs fsdp.forward itself and returns micro-batch k's loss; each is divided
-// by K because .grad sums (see accumulate.h). Returns the step's loss.
-template <typename LossFn>
-double accumulate(FullyShardedDataParallel& fsdp, int64_t micro_batches, LossFn&& micro_loss,
-                  ShardedAccumulation mode = ShardedAccumulation::UnshardedGradients) {
-  if (micro_batches < 1) {
-    throw ConfigError(fmt::format("accumulate: {} micro-batches requested; expected at least 1", micro_batches));
-  }
-  double total = 0;
-  for (int64_t k = 0; k < micro_batches; ++k) {
-    auto step = [&] {
-      auto scaled = micro_loss(k) / static_cast<double>(micro_batches);
-      scaled.backward();
-      total += scaled.template item<double>();
-    };
-    const bool last = k + 1 == micro_batches;
-    if (!last && mode == ShardedAccumulation::UnshardedGradients) {
-      auto guard = fsdp.no_sync();
-      step();
-    } else {
-      step();
-      if (!last) fsdp.continue_accumulation();
-    }
-  }
-  return total;
-}
 
 }  // namespace gradsync

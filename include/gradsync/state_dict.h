@@ -23,8 +23,20 @@ void save_state_dict(const StateDict& state, const std::string& path);
 // Reads a file written by save_state_dict or by Python torch.save(dict(...)) (zip format, a plain dict of tensors).
 StateDict load_state_dict(const std::string& path);
 
-// Copies `state` into the module's parameters and buffers. Strict: every missing, unexpected or mis-shaped key is
-// listed in one ConfigError; nothing is modified unless all keys match.
+// Reads any file torch.save (zip format) or save_state_dict wrote and unpickles it. libtorch 1.13 reads a truncated
+// zip past its end, so the zip's end records and central directory are checked first: a torn or foreign file is a
+// ConfigError before any parsing. `kind` names the file in messages ("state file"), `hint` says how to make one.
+c10::IValue read_torch_file(const std::string& path, const std::string& kind = "torch file",
+                            const std::string& hint = "");
+
+// "" when `given` has exactly the keys of `expected` with the same shapes; otherwise everything that is wrong:
+// "missing keys: ...; unexpected keys: ...; wrong shapes: 0.bias (<given_label> [5], model [4])". The one strict
+// check every loader uses.
+std::string state_dict_mismatch(const StateDict& given, const StateDict& expected,
+                                const std::string& given_label = "given");
+
+// Copies `state` into the module's parameters and buffers. Strict (state_dict_mismatch, given_label "file"): every
+// missing, unexpected or mis-shaped key is listed in one ConfigError; nothing is modified unless all keys match.
 void load_into(torch::nn::Module& module, const StateDict& state);
 
 }  // namespace gradsync

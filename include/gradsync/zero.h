@@ -1,34 +1,27 @@
-// defines: ZeRO stage 1 (Zero1 engine, Zero1DataParallel<ModuleHolder> wrapper): every rank keeps the full model
-// and computes full local gradients, but owns the optimizer state of only 1/N of the (flattened, padded)
-// parameters. The step:
+// defines: Zero1DataParallel, ZeRO stage 1: every rank keeps the full model and computes full local gradients, but
+// owns the optimizer state of only 1/N of the (flattened, padded) parameters. The step:
 //
 //   backward            .grad of every parameter is a view of one flat local gradient buffer (sums micro-batches)
-//   step(optimizer)     x 1/N, reduce-scatter (SUM) -> this rank's slice of the mean gradient   (Psi moved)
-//                       optimizer.step() on this rank's slice only (elementwise: equal to the unsharded update)
-//                       all-gather the updated slices into the full parameters                 (Psi moved)
+//   end of backward     x 1/N, reduce-scatter (SUM) -> this rank's slice of the mean gradient   (Psi moved)
+//   optimizer.step()    the user's optimizer, built over parameters() (this rank's slice): elementwise, so equal to
+//                       the unsharded update
+//   next forward        all-gather of the updated slices into the full parameters            (Psi moved)
 //
 // That is the ZeRO paper's 2 Psi per step, the same as DDP's allreduce; DDP's allreduce followed by a broadcast of
-// the updated shards (PyTorch's ZeroRedundancyOptimizer) would move 3 Psi. The gradient is reduced at step(), not
-// during backward, so there is no overlap with backward, and accumulation needs no no_sync (no_sync() exists only
-// to keep DDP's buffer-broadcast rule, which decides BatchNorm parity with PyTorch DDP).
+// the updated shards (PyTorch's ZeroRedundancyOptimizer) would move 3 Psi. Reducing in backward's final callback
+// and gathering lazily before the next forward (or state_dict(), or sync_parameters()) keeps the training loop
+// exactly DDP's: no step(optimizer) of its own. The gradient is reduced at the end of backward, not bucket by
+// bucket, so it does not overlap backward.
 //
 // Memory per rank: full parameters Psi + full gradient Psi + master shard Psi/N + shard gradient Psi/N +
-// optimizer state K Psi/N (bytes of the model dtype; see memory.h).
+// optimizer state K Psi/N (bytes of the model dtype; see stats.h).
 #pragma once
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
-#include <torch/torch.h>
-
-#include <fmt/format.h>
-
-#include "gradsync/error.h"
-#include "gradsync/stats.h"
-#include "gradsync/reduction.h"
+#include "gradsync/engine.h"
 #include "gradsync/runtime.h"
-#include "gradsync/state_dict.h"
 
 namespace gradsync {
 
@@ -37,91 +30,46 @@ struct ZeroOptions {
   bool broadcast_buffers = true;          // as DDP: rank 0's buffers before a forward that follows a synced one
 };
 
-class Zero1 {
+class Zero1Shard;  // the flat parameter, its slice and when it is reduced and gathered; private to the library
+
+class Zero1DataParallel : public Engine {
  public:
   // Checks the model is the same on every rank, broadcasts rank 0's parameters and buffers, flattens the
   // parameters (one floating dtype, all requiring grad) and keeps this rank's slice.
-  Zero1(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<World> world, ZeroOptions options = {});
-  ~Zero1();
-  Zero1(const Zero1&) = delete;
-  Zero1& operator=(const Zero1&) = delete;
+  Zero1DataParallel(const ModuleRef& module, std::shared_ptr<World> world, ZeroOptions options = {});
+  ~Zero1DataParallel() override;
 
-  void before_forward();
-  void after_forward();
-  bool require_sync() const;
-  void set_require_sync(bool sync);
-
+  using Engine::forward;
+  bool require_sync() const override;
+  void set_require_sync(bool sync) override;
   // This rank's slice (a leaf that requires grad): build the optimizer over it.
-  std::vector<torch::Tensor> parameters() const;
-  // Reduce-scatters the local gradients into the slice's .grad (once per step; step() calls it).
-  void reduce_gradients();
-  // reduce_gradients(), optimizer.step() on the slice, all-gather of the updated parameters.
-  void step(torch::optim::Optimizer& optimizer);
-  void zero_grad();
-  // Reduces first if needed; the norm of the whole mean gradient, as clip_grad_norm_ on unsharded gradients.
-  double clip_grad_norm(double max_norm, double norm_type = 2.0);
-  void track_optimizer(const torch::optim::Optimizer* optimizer);
+  std::vector<torch::Tensor> parameters() const override;
+  void zero_grad() override;
+  // The norm of the whole mean gradient, as clip_grad_norm_ on unsharded gradients (one small allreduce).
+  double clip_grad_norm(double max_norm, double norm_type = 2.0) override;
+  void track_optimizer(const torch::optim::Optimizer* optimizer) override;
+  StateDict state_dict(bool rank0_only = false) override;  // parameters are whole: no gather; buffers rank 0's
+  void load_state_dict(const StateDict& state) override;
+  MemoryStats memory() const override;
+  CommStats traffic() const override;
+  torch::nn::Module& module() override;
+  Reduction reduction() const override;
+  const char* name() const override { return "Zero1DataParallel"; }
+  Collectives* comm() override;
 
-  StateDict full_state_dict(bool all_ranks = false);   // see FullyShardedDataParallel::full_state_dict
-  void load_full_state_dict(const StateDict& state);   // collective; rank 0's state
+  void begin_forward() override;  // all-gathers the slices updated since the last reduction, broadcasts buffers
+  void end_forward() override;
+  void join_backward() override;  // reduce-scatters zeros
+
+  // Collective: all-gathers the updated slices into the module's parameters now instead of before the next
+  // forward (for reading module() right after optimizer.step()).
+  void sync_parameters();
+  // Collective. This rank's slice and its optimizer state in DIR/shard-<rank>-of-<N>.pt (see FSDP's save_sharded).
   void save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer = nullptr);
   void load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer = nullptr);
 
-  MemoryStats memory() const;
-  CommStats comm_stats() const;
-  torch::nn::Module& module();
-
-  struct State;
-
  private:
-  std::unique_ptr<State> state_;
+  std::shared_ptr<Zero1Shard> shard_;  // autograd hooks hold weak references to it
 };
-
-template <typename ModuleHolder>
-class Zero1DataParallel {
- public:
-  Zero1DataParallel(ModuleHolder module, std::shared_ptr<World> world, ZeroOptions options = {})
-      : module_(std::move(module)), engine_(std::make_unique<Zero1>(module_.ptr(), std::move(world), options)) {}
-
-  template <typename... Args>
-  auto forward(Args&&... args) {
-    engine_->before_forward();
-    auto output = module_->forward(std::forward<Args>(args)...);
-    engine_->after_forward();
-    return output;
-  }
-  template <typename... Args>
-  auto operator()(Args&&... args) {
-    return forward(std::forward<Args>(args)...);
-  }
-
-  ModuleHolder& module() { return module_; }
-  Zero1& engine() { return *engine_; }
-  Zero1* operator->() { return engine_.get(); }
-
- private:
-  ModuleHolder module_;
-  std::unique_ptr<Zero1> engine_;
-};
-
-// K micro-batches: local backward passes (the first K-1 marked no-sync for the buffer rule), loss_k / K each;
-// the caller then runs engine().step(optimizer), which reduces once.
-template <typename ModuleHolder, typename LossFn>
-double accumulate(Zero1DataParallel<ModuleHolder>& zero, int64_t micro_batches, LossFn&& micro_loss) {
-  if (micro_batches < 1) {
-    throw ConfigError(fmt::format("accumulate: {} micro-batches requested; expected at least 1", micro_batches));
-  }
-  double total = 0;
-  auto& engine = zero.engine();
-  const bool previous = engine.require_sync();
-  for (int64_t k = 0; k < micro_batches; ++k) {
-    engine.set_require_sync(k + 1 == micro_batches && previous);
-    auto scaled = micro_loss(k) / static_cast<double>(micro_batches);
-    scaled.backward();
-    total += scaled.template item<double>();
-  }
-  engine.set_require_sync(previous);
-  return total;
-}
 
 }  // namespace gradsync

@@ -21,4 +21,17 @@ void check_same_on_every_rank(Collectives& comm, const std::string& who, const s
 // Turns a failure on one rank (a missing checkpoint file) into a failure on all, instead of a hang.
 void fail_together(Collectives& comm, const std::string& who, const std::string& problem);
 
+// Runs fn() on this rank; what it throws becomes this rank's problem, then fail_together(): every rank throws
+// the same ConfigError listing every rank's problem, or none does.
+template <typename Fn>
+void fail_together_on_throw(Collectives& comm, const std::string& who, Fn&& fn) {
+  std::string problem;
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  fail_together(comm, who, problem);
+}
+
 }  // namespace gradsync

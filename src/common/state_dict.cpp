@@ -1,22 +1,23 @@
 // State dicts with Python's keys and Python-readable files (see state_dict.h).
 #include "gradsync/state_dict.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/atomic_file.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
 namespace {
+
+constexpr const char* kStateFileHint = "save it with torch.save(dict(model.state_dict()), path)";
 
 void collect(const torch::nn::Module& module, const std::string& prefix, StateDict& out) {
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
@@ -29,51 +30,6 @@ void collect(const torch::nn::Module& module, const std::string& prefix, StateDi
 }
 
 std::string shape_of(const torch::Tensor& t) { return fmt::format("[{}]", fmt::join(t.sizes(), ", ")); }
-
-[[noreturn]] void fail_errno(const std::string& what, const std::string& path) {
-  throw Error(fmt::format("{} '{}' failed: {} (errno {})", what, path, std::strerror(errno), errno));
-}
-
-void write_all(int fd, const char* data, size_t size, const std::string& path) {
-  while (size > 0) {
-    ssize_t n = ::write(fd, data, size);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      fail_errno("writing", path);
-    }
-    data += n;
-    size -= static_cast<size_t>(n);
-  }
-}
-
-void fsync_directory_of(const std::string& path) {
-  auto slash = path.find_last_of('/');
-  std::string dir = slash == std::string::npos ? "." : path.substr(0, std::max<size_t>(slash, 1));
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
-  if (fd < 0) return;  // best effort: the rename itself already happened
-  ::fsync(fd);
-  ::close(fd);
-}
-
-void write_atomically(const std::vector<char>& bytes, const std::string& path) {
-  const std::string temp = fmt::format("{}.tmp.{}", path, ::getpid());
-  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail_errno("creating", temp);
-  try {
-    write_all(fd, bytes.data(), bytes.size(), temp);
-    if (::fsync(fd) != 0) fail_errno("fsync of", temp);
-  } catch (...) {
-    ::close(fd);
-    ::unlink(temp.c_str());
-    throw;
-  }
-  ::close(fd);
-  if (::rename(temp.c_str(), path.c_str()) != 0) {
-    ::unlink(temp.c_str());
-    fail_errno("renaming into", path);
-  }
-  fsync_directory_of(path);
-}
 
 uint64_t little_endian(const std::vector<char>& b, size_t at, size_t width) {
   uint64_t v = 0;
@@ -115,24 +71,27 @@ StateDict state_dict(const torch::nn::Module& module) {
 void save_state_dict(const StateDict& state, const std::string& path) {
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [name, tensor] : state) dict.insert(name, tensor.detach().contiguous());
-  write_atomically(torch::pickle_save(dict), path);
+  write_file_atomically(path, torch::pickle_save(dict));
+}
+
+c10::IValue read_torch_file(const std::string& path, const std::string& kind, const std::string& hint) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("cannot open {} '{}': {}", kind, path, std::strerror(errno)));
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string advice = hint.empty() ? "" : "; " + hint;
+  if (!zip_structure_ok(bytes)) {
+    throw ConfigError(fmt::format("{} '{}' is truncated or not a torch.save zip file ({} bytes{})", kind, path,
+                                  bytes.size(), advice));
+  }
+  try {
+    return torch::pickle_load(bytes);
+  } catch (const std::exception& e) {
+    throw ConfigError(fmt::format("{} '{}' is not a readable torch.save file{}: {}", kind, path, advice, e.what()));
+  }
 }
 
 StateDict load_state_dict(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("cannot open state file '{}': {}", path, std::strerror(errno)));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (!zip_structure_ok(bytes)) {
-    throw ConfigError(fmt::format("state file '{}' is truncated or not a torch.save zip file ({} bytes; save it "
-                                  "with torch.save(dict(model.state_dict()), path))", path, bytes.size()));
-  }
-  c10::IValue value;
-  try {
-    value = torch::pickle_load(bytes);
-  } catch (const std::exception& e) {
-    throw ConfigError(fmt::format("state file '{}' is not a torch.save file of a dict of tensors (save it with "
-                                  "torch.save(dict(model.state_dict()), path)): {}", path, e.what()));
-  }
+  const auto value = read_torch_file(path, "state file", kStateFileHint);
   if (!value.isGenericDict()) {
     throw ConfigError(fmt::format("state file '{}' holds a {}, expected a dict of tensors (save it with "
                                   "torch.save(dict(model.state_dict()), path))", path, value.tagKind()));
@@ -147,30 +106,35 @@ StateDict load_state_dict(const std::string& path) {
   return out;
 }
 
-void load_into(torch::nn::Module& module, const StateDict& state) {
-  auto target = state_dict(module);
-  std::map<std::string, torch::Tensor> given(state.begin(), state.end());
+std::string state_dict_mismatch(const StateDict& given, const StateDict& expected, const std::string& given_label) {
+  std::map<std::string, torch::Tensor> by_name(given.begin(), given.end());
+  std::set<std::string> known;
   std::vector<std::string> missing, mismatched, unexpected;
-  for (const auto& [name, tensor] : target) {
-    auto it = given.find(name);
-    if (it == given.end()) {
+  for (const auto& [name, tensor] : expected) {
+    known.insert(name);
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
       missing.push_back(name);
-    } else if (it->second.sizes() != tensor.sizes()) {
-      mismatched.push_back(fmt::format("{} (file {}, model {})", name, shape_of(it->second), shape_of(tensor)));
+    } else if (!it->second.sizes().equals(tensor.sizes())) {
+      mismatched.push_back(
+          fmt::format("{} ({} {}, model {})", name, given_label, shape_of(it->second), shape_of(tensor)));
     }
   }
-  std::map<std::string, bool> known;
-  for (const auto& item : target) known[item.first] = true;
-  for (const auto& item : state) {
+  for (const auto& item : given) {
     if (!known.count(item.first)) unexpected.push_back(item.first);
   }
-  if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {
-    std::string msg = "state dict does not match the model:";
-    if (!missing.empty()) msg += fmt::format(" missing keys: {};", fmt::join(missing, ", "));
-    if (!unexpected.empty()) msg += fmt::format(" unexpected keys: {};", fmt::join(unexpected, ", "));
-    if (!mismatched.empty()) msg += fmt::format(" wrong shapes: {};", fmt::join(mismatched, ", "));
-    throw ConfigError(msg);
-  }
+  std::vector<std::string> parts;
+  if (!missing.empty()) parts.push_back(fmt::format("missing keys: {}", fmt::join(missing, ", ")));
+  if (!unexpected.empty()) parts.push_back(fmt::format("unexpected keys: {}", fmt::join(unexpected, ", ")));
+  if (!mismatched.empty()) parts.push_back(fmt::format("wrong shapes: {}", fmt::join(mismatched, ", ")));
+  return fmt::format("{}", fmt::join(parts, "; "));
+}
+
+void load_into(torch::nn::Module& module, const StateDict& state) {
+  auto target = state_dict(module);
+  const auto problem = state_dict_mismatch(state, target, "file");
+  if (!problem.empty()) throw ConfigError("state dict does not match the model: " + problem);
+  std::map<std::string, torch::Tensor> given(state.begin(), state.end());
   torch::NoGradGuard no_grad;
   for (auto& [name, tensor] : target) tensor.copy_(given.at(name).to(tensor.scalar_type()));
 }

@@ -11,74 +11,16 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include "ddp/bucket.h"
-#include "common/consistency.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
-
-using Clock = std::chrono::steady_clock;
-
-struct Reducer::State {
-  struct Slot {
-    size_t bucket = 0;
-    torch::Tensor view;  // this parameter's region of its bucket, shaped like the parameter
-    bool ready = false;  // its gradient has been copied into the bucket in this backward
-  };
-  struct Bucket {
-    torch::Tensor flat;
-    std::vector<size_t> params;
-    size_t pending = 0;  // parameters whose gradient is not in the bucket yet
-    PendingWork work;
-  };
-
-  std::shared_ptr<torch::nn::Module> module;
-  std::shared_ptr<World> world;
-  DdpOptions options;
-  std::vector<std::string> names;
-  std::vector<torch::Tensor> params;
-  std::vector<torch::Tensor> buffers;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
-  std::vector<Slot> slots;
-  std::vector<Bucket> buckets;
-
-  std::mutex mutex;
-  bool require_backward_sync = true;   // false inside no_sync()
-  bool require_forward_param_sync = true;  // PyTorch: broadcast buffers before a forward following a synced one
-  bool expect_hooks = false;           // a synced forward armed the coming backward
-  bool callback_queued = false;
-  size_t next_launch = 0;              // buckets launch strictly in index order on every rank
-  bool rebuilt = false;                // the layout follows the observed gradient order (once)
-  std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
-  std::optional<int64_t> global_items; // Reduction::GlobalMean: items in this step over all ranks
-  Clock::time_point backward_start;
-  BackwardTimeline timeline;
-
-  int rank() const { return world->rank(); }
-  int size() const { return world->size(); }
-  double ms_since_start() const {
-    return std::chrono::duration<double, std::milli>(Clock::now() - backward_start).count();
-  }
-
-  void mark_ready(size_t index, const std::weak_ptr<State>& self);
-  void copy_into_bucket(size_t index);
-  void launch_ready_buckets();
-  void finalize(bool joined);
-  double bucket_scale() const;
-  std::vector<size_t> zero_unused();
-  std::vector<bool> globally_used(const std::vector<size_t>& unused);
-  void write_back(const std::vector<bool>& used_anywhere);
-  void reset();
-  void build_buckets(const std::vector<BucketPlan>& layout);
-  void maybe_rebuild_buckets();
-};
 
 namespace {
 
 // Called by autograd after AccumulateGrad has updated .grad, once per backward per parameter.
 class ReadyHook : public torch::autograd::FunctionPostHook {
  public:
-  ReadyHook(std::weak_ptr<Reducer::State> state, size_t index) : state_(std::move(state)), index_(index) {}
+  ReadyHook(std::weak_ptr<Reducer> state, size_t index) : state_(std::move(state)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
                                             const torch::autograd::variable_list& /*inputs*/) override {
     if (auto state = state_.lock()) state->mark_ready(index_, state_);
@@ -86,31 +28,33 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   }
 
  private:
-  std::weak_ptr<Reducer::State> state_;  // the hook outlives the reducer inside autograd's graph
+  std::weak_ptr<Reducer> state_;  // the hook outlives the reducer inside autograd's graph
   size_t index_;
 };
 
 }  // namespace
 
-void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) {
+void Reducer::queue_finalize(const std::weak_ptr<Reducer>& self) {
+  if (options.reduction == Reduction::GlobalMean && !global_items) {
+    throw ConfigError(fmt::format(
+        "DistributedDataParallel on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
+        "before the synchronising backward; use gradsync::accumulate_global_mean() or set_global_item_count()",
+        rank()));
+  }
+  callback_queued = true;
+  backward_start = Clock::now();
+  timeline = BackwardTimeline{};
+  ready_order.clear();
+  // Runs once the autograd engine has finished this backward, before backward() returns.
+  torch::autograd::Engine::get_default_engine().queue_callback([self] {
+    if (auto reducer = self.lock()) reducer->finalize(/*joined=*/false);
+  });
+}
+
+void Reducer::mark_ready(size_t index, const std::weak_ptr<Reducer>& self) {
   std::lock_guard<std::mutex> lock(mutex);
   if (!expect_hooks) return;  // no_sync, or no synced forward armed this backward
-  if (!callback_queued) {
-    if (options.reduction == Reduction::GlobalMean && !global_items) {
-      throw ConfigError(fmt::format(
-          "DistributedDataParallel on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
-          "before the synchronising backward; use gradsync::accumulate_global_mean() or "
-          "Reducer::set_global_item_count()", rank()));
-    }
-    callback_queued = true;
-    backward_start = Clock::now();
-    timeline = BackwardTimeline{};
-    ready_order.clear();
-    // Runs once the autograd engine has finished this backward, before backward() returns.
-    torch::autograd::Engine::get_default_engine().queue_callback([self] {
-      if (auto state = self.lock()) state->finalize(/*joined=*/false);
-    });
-  }
+  if (!callback_queued) queue_finalize(self);
   auto& slot = slots[index];
   if (slot.ready) {
     throw DistributedError(fmt::format("DistributedDataParallel on rank {}: parameter '{}' received a gradient "
@@ -125,7 +69,7 @@ void Reducer::State::mark_ready(size_t index, const std::weak_ptr<State>& self) 
 }
 
 // The factor folded into the copy of .grad into its bucket (see Note [Where the division happens]).
-double Reducer::State::bucket_scale() const {
+double Reducer::bucket_scale() const {
   switch (options.reduction) {
     case Reduction::Mean: return 1.0 / size();
     case Reduction::Sum: return 1.0;
@@ -134,7 +78,7 @@ double Reducer::State::bucket_scale() const {
   return 1.0;
 }
 
-void Reducer::State::copy_into_bucket(size_t index) {
+void Reducer::copy_into_bucket(size_t index) {
   torch::NoGradGuard no_grad;
   const auto& grad = params[index].grad();
   auto& view = slots[index].view;
@@ -152,17 +96,18 @@ void Reducer::State::copy_into_bucket(size_t index) {
   }
 }
 
-void Reducer::State::launch_ready_buckets() {
+void Reducer::launch_ready_buckets() {
   // Collectives must be issued in the same order on every rank: bucket i waits for buckets < i.
   while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
     auto& bucket = buckets[next_launch];
     bucket.work = world->comm().allreduce_sum_async(bucket.flat);
+    traffic.add_allreduce(bucket.flat.numel() * static_cast<int64_t>(bucket.flat.element_size()), size());
     timeline.bucket_launch_ms.push_back(ms_since_start());
     ++next_launch;
   }
 }
 
-std::vector<size_t> Reducer::State::zero_unused() {
+std::vector<size_t> Reducer::zero_unused() {
   std::vector<size_t> unused;
   for (size_t i = 0; i < slots.size(); ++i) {
     if (slots[i].ready) continue;
@@ -175,7 +120,7 @@ std::vector<size_t> Reducer::State::zero_unused() {
 }
 
 // PyTorch leaves .grad untouched for a parameter unused on every rank; that needs one small allreduce.
-std::vector<bool> Reducer::State::globally_used(const std::vector<size_t>& unused) {
+std::vector<bool> Reducer::globally_used(const std::vector<size_t>& unused) {
   std::vector<bool> used(params.size(), true);
   if (!options.find_unused_parameters) return used;
   auto local = torch::ones({static_cast<int64_t>(params.size())}, torch::kLong);
@@ -185,7 +130,7 @@ std::vector<bool> Reducer::State::globally_used(const std::vector<size_t>& unuse
   return used;
 }
 
-void Reducer::State::write_back(const std::vector<bool>& used_anywhere) {
+void Reducer::write_back(const std::vector<bool>& used_anywhere) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
     if (!used_anywhere[i]) continue;
@@ -203,7 +148,7 @@ void Reducer::State::write_back(const std::vector<bool>& used_anywhere) {
 }
 
 // Ends a synchronised backward (joined: this rank had no data and contributes zeros for every parameter).
-void Reducer::State::finalize(bool joined) {
+void Reducer::finalize(bool joined) {
   std::lock_guard<std::mutex> lock(mutex);
   timeline.finalize_ms = ms_since_start();
   auto unused = zero_unused();
@@ -216,6 +161,7 @@ void Reducer::State::finalize(bool joined) {
     throw;
   }
   reset();
+  sample_memory();
   if (!joined && !unused.empty() && !options.find_unused_parameters) {
     std::vector<std::string> unused_names;
     for (size_t i : unused) unused_names.push_back(names[i]);
@@ -227,7 +173,7 @@ void Reducer::State::finalize(bool joined) {
   }
 }
 
-void Reducer::State::reset() {
+void Reducer::reset() {
   for (auto& slot : slots) slot.ready = false;
   for (auto& bucket : buckets) {
     bucket.pending = bucket.params.size();
@@ -239,7 +185,7 @@ void Reducer::State::reset() {
   global_items.reset();
 }
 
-void Reducer::State::build_buckets(const std::vector<BucketPlan>& layout) {
+void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
   torch::NoGradGuard no_grad;
   buckets.clear();
   slots.assign(params.size(), Slot{});
@@ -265,7 +211,7 @@ void Reducer::State::build_buckets(const std::vector<BucketPlan>& layout) {
 
 // PyTorch rebuilds its buckets once, before the forward that follows the first synchronised backward, in the
 // order gradients became ready; rank 0's order is broadcast so every rank uses the same layout.
-void Reducer::State::maybe_rebuild_buckets() {
+void Reducer::maybe_rebuild_buckets() {
   if (rebuilt || options.find_unused_parameters || ready_order.size() != params.size()) return;
   auto order = torch::tensor(std::vector<int64_t>(ready_order.begin(), ready_order.end()), torch::kLong);
   if (size() > 1) world->comm().broadcast(order, /*root=*/0);
@@ -276,106 +222,57 @@ void Reducer::State::maybe_rebuild_buckets() {
   ready_order.clear();
 }
 
-Reducer::Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<World> world, DdpOptions options)
-    : state_(std::make_shared<State>()) {
-  auto& s = *state_;
-  s.module = std::move(module);
-  s.world = std::move(world);
-  s.options = options;
-  for (const auto& item : s.module->named_parameters(/*recurse=*/true)) {
+void Reducer::set_up(const std::shared_ptr<Reducer>& self) {
+  for (const auto& item : module->named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;  // frozen parameters are neither reduced nor hooked
-    s.names.push_back(item.key());
-    s.params.push_back(item.value());
+    names.push_back(item.key());
+    params.push_back(item.value());
   }
-  for (const auto& item : s.module->named_buffers(/*recurse=*/true)) s.buffers.push_back(item.value());
-  auto& comm = s.world->comm();
   // Same parameters and buffers (names, dtypes, shapes) on every rank, or every rank fails naming the difference.
-  check_same_on_every_rank(comm, "DistributedDataParallel", describe_module(*s.module));
-  std::vector<torch::Tensor> everything = s.params;
-  everything.insert(everything.end(), s.buffers.begin(), s.buffers.end());
-  comm.broadcast_coalesced(everything, /*root=*/0);
-
-  s.build_buckets(initial_bucket_layout(s.params, options.find_unused_parameters, options.first_bucket_bytes,
-                                        options.bucket_cap_bytes));
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(s.params[i]);
-    accumulator->add_post_hook(std::make_unique<ReadyHook>(state_, i));
-    s.accumulators.push_back(std::move(accumulator));
+  buffers = BufferSync(set_up_replica(world->comm(), "DistributedDataParallel", *module), options.broadcast_buffers);
+  build_buckets(initial_bucket_layout(params, options.find_unused_parameters, options.first_bucket_bytes,
+                                      options.bucket_cap_bytes));
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
+    accumulator->add_post_hook(std::make_unique<ReadyHook>(self, i));
+    accumulators.push_back(std::move(accumulator));
   }
+  sample_memory();
 }
 
-Reducer::~Reducer() = default;
+void Reducer::sample_memory() const { meter.sample(module_memory(*module, optimizer)); }
 
 void Reducer::before_forward() {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  if (torch::GradMode::is_enabled() && !s.callback_queued) s.maybe_rebuild_buckets();
-  if (s.options.broadcast_buffers && s.require_forward_param_sync && !s.buffers.empty() && s.size() > 1) {
-    s.world->comm().broadcast_coalesced(s.buffers, /*root=*/0);
-  }
+  std::lock_guard<std::mutex> lock(mutex);
+  if (torch::GradMode::is_enabled() && !callback_queued) maybe_rebuild_buckets();
+  buffers.before_forward(world->comm());
 }
 
 void Reducer::after_forward() {
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
+  std::lock_guard<std::mutex> lock(mutex);
   // Mirrors PyTorch: the sync decision is taken at forward time, and a forward that will not sync (no_sync or
   // no grad mode) also skips the buffer broadcast before the next forward.
-  const bool sync = torch::GradMode::is_enabled() && s.require_backward_sync;
-  s.require_forward_param_sync = sync;
-  if (sync && !s.callback_queued) {
-    s.reset();
-    s.expect_hooks = true;
-  } else if (!sync && !s.callback_queued) {
-    s.expect_hooks = false;
+  const bool sync = torch::GradMode::is_enabled() && require_backward_sync;
+  buffers.after_forward(sync);
+  if (sync && !callback_queued) {
+    reset();
+    expect_hooks = true;
+  } else if (!sync && !callback_queued) {
+    expect_hooks = false;
   }
 }
 
 void Reducer::join_backward() {
-  auto& s = *state_;
   {
-    std::lock_guard<std::mutex> lock(s.mutex);
-    if (!s.expect_hooks) {
-      throw ConfigError(fmt::format("rank {}: join_backward() needs a preceding synchronised after_forward()",
-                                    s.rank()));
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!expect_hooks) {
+      throw ConfigError(fmt::format("DistributedDataParallel on rank {}: a step without data needs a preceding "
+                                    "synchronised forward (begin_forward/end_forward outside no_sync)", rank()));
     }
-    s.backward_start = Clock::now();
-    s.timeline = BackwardTimeline{};
+    backward_start = Clock::now();
+    timeline = BackwardTimeline{};
   }
-  s.finalize(/*joined=*/true);
-}
-
-void Reducer::set_global_item_count(int64_t items) {
-  if (items < 0) throw ConfigError(fmt::format("global item count {} is invalid; expected >= 0", items));
-  state_->global_items = items;
-}
-
-World& Reducer::world() { return *state_->world; }
-
-bool Reducer::require_sync() const { return state_->require_backward_sync; }
-void Reducer::set_require_sync(bool sync) { state_->require_backward_sync = sync; }
-
-void Reducer::zero_grad() {
-  torch::NoGradGuard no_grad;
-  for (auto& param : state_->params) {
-    if (param.grad().defined()) param.mutable_grad().zero_();
-  }
-}
-
-const DdpOptions& Reducer::options() const { return state_->options; }
-size_t Reducer::bucket_count() const { return state_->buckets.size(); }
-
-std::vector<std::vector<std::string>> Reducer::bucket_parameter_names() const {
-  std::vector<std::vector<std::string>> out;
-  for (const auto& bucket : state_->buckets) {
-    out.emplace_back();
-    for (size_t i : bucket.params) out.back().push_back(state_->names[i]);
-  }
-  return out;
-}
-
-BackwardTimeline Reducer::last_timeline() const {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  return state_->timeline;
+  finalize(/*joined=*/true);
 }
 
 }  // namespace gradsync

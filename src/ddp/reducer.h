@@ -1,93 +1,90 @@
-// defines: Reducer, the gradient synchronisation engine behind DistributedDataParallel: cross-rank model check,
-// rank-0 broadcast, flat buckets, post-accumulate-grad hooks that launch bucket allreduces while backward runs,
-// and the end-of-backward wait that writes the reduced gradients back. One gradient's path:
-//
-//   AccumulateGrad(param) writes .grad            (sums over micro-batches while no_sync is active)
-//     -> hook: copy .grad into its bucket, x 1/N  (the division of Reduction::Mean, see reduction.h)
-//        -> bucket complete: async SUM allreduce  (overlaps the rest of backward)
-//   final callback (still inside backward()): unused parameters -> zeros, wait for every bucket,
-//     .grad = bucket contents                     (the mean over ranks, or the sum)
+// defines: Reducer, the gradient synchronisation engine behind DistributedDataParallel (ddp.h, where one gradient's
+// path is drawn): flat buckets laid out as PyTorch's (bucket.h), post-accumulate-grad hooks that launch bucket
+// allreduces while backward runs, and the end-of-backward wait that writes the reduced gradients back.
 #pragma once
+#include <chrono>
 #include <cstddef>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
-#include "gradsync/reduction.h"
-#include "gradsync/runtime.h"
+#include "ddp/bucket.h"
+#include "engine/replica.h"
+#include "gradsync/ddp.h"
+#include "gradsync/stats.h"
 
 namespace gradsync {
 
-struct DdpOptions {
-  Reduction reduction = Reduction::Mean;     // PyTorch DDP: mean
-  size_t bucket_cap_bytes = 25u << 20;       // PyTorch's bucket_cap_mb=25
-  size_t first_bucket_bytes = 1u << 20;      // PyTorch's first bucket: small so communication starts early
-  bool find_unused_parameters = false;       // unused parameters then contribute zeros instead of failing
-  bool broadcast_buffers = true;             // rank 0's buffers before every forward that follows a synced one
-  bool gradient_as_bucket_view = false;      // .grad aliases the bucket: saves a copy; zero with zero_grad()
-};
-
-// When things happened in the last synchronised backward, in ms since its first gradient hook: shows that
-// bucket allreduces start while backward is still computing earlier layers' gradients.
-struct BackwardTimeline {
-  std::vector<double> bucket_launch_ms;
-  double last_hook_ms = 0;   // the last parameter's gradient was ready (backward compute ended)
-  double finalize_ms = 0;    // the end-of-backward callback began waiting
-};
-
 class Reducer {
  public:
-  // Checks that every rank has the same parameters (count, names, shapes, dtypes) and buffers, failing on every
-  // rank with the first difference; then broadcasts rank 0's parameters and buffers and installs the hooks.
-  Reducer(std::shared_ptr<torch::nn::Module> module, std::shared_ptr<World> world, DdpOptions options);
-  ~Reducer();
-  Reducer(const Reducer&) = delete;
-  Reducer& operator=(const Reducer&) = delete;
+  using Clock = std::chrono::steady_clock;
+  struct Slot {
+    size_t bucket = 0;
+    torch::Tensor view;  // this parameter's region of its bucket, shaped like the parameter
+    bool ready = false;  // its gradient has been copied into the bucket in this backward
+  };
+  struct Bucket {
+    torch::Tensor flat;
+    std::vector<size_t> params;
+    size_t pending = 0;  // parameters whose gradient is not in the bucket yet
+    PendingWork work;
+  };
 
-  void before_forward();  // broadcasts buffers when PyTorch would
-  void after_forward();   // arms the hooks for the coming backward, unless syncing is off
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<World> world;
+  DdpOptions options;
+  std::vector<std::string> names;
+  std::vector<torch::Tensor> params;
+  BufferSync buffers;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
+  std::vector<Slot> slots;
+  std::vector<Bucket> buckets;
+  const torch::optim::Optimizer* optimizer = nullptr;
+  mutable MemoryMeter meter;
+  CommStats traffic;
 
-  // For a rank with no data in a step (uneven inputs): after before_forward() and after_forward() without a
-  // real forward, takes part in the step's bucket allreduces with zero gradients, so the other ranks neither
-  // wait nor see a different sequence of collectives. .grad then holds the reduced gradient like everywhere.
-  void join_backward();
-  // Reduction::GlobalMean: the number of items (samples, tokens) in this step over all ranks and micro-batches;
-  // must be set before the synchronising backward (accumulate_global_mean() does it). Cleared after it.
-  void set_global_item_count(int64_t items);
-  World& world();
+  mutable std::mutex mutex;
+  bool require_backward_sync = true;   // false inside no_sync()
+  bool expect_hooks = false;           // a synced forward armed the coming backward
+  bool callback_queued = false;
+  size_t next_launch = 0;              // buckets launch strictly in index order on every rank
+  bool rebuilt = false;                // the layout follows the observed gradient order (once)
+  std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
+  std::optional<int64_t> global_items; // Reduction::GlobalMean: items in this step over all ranks
+  Clock::time_point backward_start;
+  BackwardTimeline timeline;
 
-  bool require_sync() const;
-  void set_require_sync(bool sync);
-  // Zeroes gradients in place (works when .grad is a view of a bucket, where Optimizer::zero_grad() throws).
-  void zero_grad();
+  // Cross-rank model check, rank 0's values everywhere, initial buckets, hooks (self: the owning shared_ptr).
+  void set_up(const std::shared_ptr<Reducer>& self);
 
-  const DdpOptions& options() const;
-  size_t bucket_count() const;
-  std::vector<std::vector<std::string>> bucket_parameter_names() const;
-  BackwardTimeline last_timeline() const;
-
-  struct State;
-
- private:
-  std::shared_ptr<State> state_;
-};
-
-// Disables gradient synchronisation for the forward/backward passes in its scope (accumulation micro-steps);
-// .grad then sums locally and the next synchronised backward reduces that sum.
-class NoSyncGuard {
- public:
-  explicit NoSyncGuard(Reducer& reducer) : reducer_(reducer), previous_(reducer.require_sync()) {
-    reducer_.set_require_sync(false);
+  int rank() const { return world->rank(); }
+  int size() const { return world->size(); }
+  double ms_since_start() const {
+    return std::chrono::duration<double, std::milli>(Clock::now() - backward_start).count();
   }
-  ~NoSyncGuard() { reducer_.set_require_sync(previous_); }
-  NoSyncGuard(const NoSyncGuard&) = delete;
-  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+  void before_forward();
+  void after_forward();
+  void join_backward();
+  void mark_ready(size_t index, const std::weak_ptr<Reducer>& self);
+  void sample_memory() const;
 
  private:
-  Reducer& reducer_;
-  bool previous_;
+  void queue_finalize(const std::weak_ptr<Reducer>& self);
+  void copy_into_bucket(size_t index);
+  void launch_ready_buckets();
+  void finalize(bool joined);
+  double bucket_scale() const;
+  std::vector<size_t> zero_unused();
+  std::vector<bool> globally_used(const std::vector<size_t>& unused);
+  void write_back(const std::vector<bool>& used_anywhere);
+  void reset();
+  void build_buckets(const std::vector<BucketPlan>& layout);
+  void maybe_rebuild_buckets();
 };
 
 }  // namespace gradsync

@@ -179,4 +179,13 @@ void FlatParam::count_grads(StorageBytes& bytes) const {
   bytes.add(grad_buffer_);
 }
 
+MemoryBreakdown count_memory(const std::vector<const FlatParam*>& flats, const torch::optim::Optimizer* optimizer) {
+  StorageBytes params, grads;
+  for (const auto* f : flats) {
+    f->count_params(params);
+    f->count_grads(grads);
+  }
+  return {params.bytes(), grads.bytes(), optimizer ? optimizer_state_bytes(*optimizer) : 0};
+}
+
 }  // namespace gradsync

@@ -8,7 +8,7 @@
 //
 // Freeing the full buffer releases its storage in place (at::native::resize_bytes_cpu to 0 bytes); gathering
 // re-allocates it and lets the all-gather write into it. Tensors autograd saved in forward are views of that same
-// storage, so they see the re-gathered values in backward (see /work/shared/reference/libtorch-1.13-facts.md).
+// storage, so they see the re-gathered values in backward (libtorch 1.13 keeps the storage object, not its bytes).
 // Values are never written through the parameters themselves: that would bump their autograd version counters.
 #pragma once
 #include <cstdint>
@@ -97,5 +97,9 @@ class FlatParam {
   bool aliases_master_ = false;
   bool gathered_ = false;
 };
+
+// Parameters and gradients of these flat parameters (each storage once) and the optimizer's state: what a
+// sharded engine holds, sampled whenever it allocates or frees.
+MemoryBreakdown count_memory(const std::vector<const FlatParam*>& flats, const torch::optim::Optimizer* optimizer);
 
 }  // namespace gradsync

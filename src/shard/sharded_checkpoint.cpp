@@ -1,57 +1,17 @@
 // Sharded checkpoints (see sharded_checkpoint.h).
 #include "shard/sharded_checkpoint.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <iterator>
-
 #include <fmt/format.h>
 
+#include "common/atomic_file.h"
 #include "gradsync/error.h"
+#include "gradsync/state_dict.h"
 #include "shard/optimizer_state.h"
 
 namespace gradsync {
 namespace {
 
 constexpr const char* kFormat = "gradsync-sharded/1";
-
-[[noreturn]] void fail_errno(const std::string& what, const std::string& path) {
-  throw Error(fmt::format("{} '{}' failed: {} (errno {})", what, path, std::strerror(errno), errno));
-}
-
-void make_dirs(const std::string& dir) {
-  for (size_t pos = 1; pos <= dir.size(); ++pos) {
-    if (pos != dir.size() && dir[pos] != '/') continue;
-    const std::string prefix = dir.substr(0, pos);
-    if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) fail_errno("creating directory", prefix);
-  }
-}
-
-// Temp file, fsync, rename: the path holds the old or the new file, never a torn one.
-void write_atomically(const std::vector<char>& bytes, const std::string& path) {
-  const std::string temp = fmt::format("{}.tmp.{}", path, ::getpid());
-  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0) fail_errno("creating", temp);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      ::close(fd);
-      ::unlink(temp.c_str());
-      fail_errno("writing", temp);
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (::fsync(fd) != 0) fail_errno("fsync of", temp);
-  ::close(fd);
-  if (::rename(temp.c_str(), path.c_str()) != 0) fail_errno("renaming into", path);
-}
 
 c10::impl::GenericDict new_dict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
 
@@ -136,20 +96,16 @@ void save_shards(const std::string& dir, const std::string& kind, int rank, int 
     units.insert(slot.unit, unit);
   }
   root.insert("units", units);
-  make_dirs(dir);
-  write_atomically(torch::pickle_save(root), shard_file(dir, rank, world));
+  make_directories(dir);
+  write_file_atomically(shard_file(dir, rank, world), torch::pickle_save(root));
 }
 
 void load_shards(const std::string& dir, int rank, int world, const std::vector<ShardSlot>& slots,
                  torch::optim::Optimizer* optimizer) {
   const auto path = shard_file(dir, rank, world);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw ConfigError(fmt::format("{}: cannot open ({}); a sharded checkpoint loads only with the world size it was "
-                                  "saved with; use a full state dict to change it", path, std::strerror(errno)));
-  }
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  auto value = torch::pickle_load(bytes);
+  const auto value = read_torch_file(path, "sharded checkpoint",
+                                     "a sharded checkpoint loads only with the world size it was saved with; use a "
+                                     "full state dict to change it");
   if (!value.isGenericDict()) throw ConfigError(fmt::format("{}: not a gradsync sharded checkpoint", path));
   const auto root = value.toGenericDict();
   auto format = root.find("format");

@@ -149,7 +149,7 @@ WrapPolicy parse_wrap_policy(const std::string& spec) {
       used = 0;
     }
     if (n.empty() || used != n.size() || value < 1) {
-      throw ConfigError(fmt::format("--wrap {}: '{}' is not a positive parameter count; {}", spec, n, allowed));
+      throw ConfigError(fmt::format("wrap policy '{}': '{}' is not a positive parameter count; {}", spec, n, allowed));
     }
     return WrapPolicy::at_least(value);
   }
@@ -161,13 +161,13 @@ WrapPolicy parse_wrap_policy(const std::string& spec) {
       size_t comma = body.find(',', start);
       if (comma == std::string::npos) comma = body.size();
       std::string name = body.substr(start, comma - start);
-      if (name.empty()) throw ConfigError(fmt::format("--wrap {}: empty child name; {}", spec, allowed));
+      if (name.empty()) throw ConfigError(fmt::format("wrap policy '{}': empty child name; {}", spec, allowed));
       names.push_back(name);
       start = comma + 1;
     }
     return WrapPolicy::list(std::move(names));
   }
-  throw ConfigError(fmt::format("--wrap {} is not known; {}", spec, allowed));
+  throw ConfigError(fmt::format("wrap policy '{}' is not known; {}", spec, allowed));
 }
 
 std::vector<UnitPlan> plan_units(const torch::nn::Module& module, const WrapPolicy& policy) {

@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "gradsync/accumulate.h"
+#include "gradsync/engine.h"
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "lab/lab.h"
@@ -135,7 +135,7 @@ LossResult run_loss_vs_batch(const LabConfig& lab) {
     c.model = lab.model;
     c.data = lab.data;
     c.global_batch = batch;
-    c.strategy = "local";
+    c.strategy = Strategy::Local;
     c.lr = lab.lr;
     c.seed = lab.seed;
     c.steps = lab.loss_steps;

@@ -19,7 +19,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "gradsync/accumulate.h"
+#include "gradsync/engine.h"
 #include "gradsync/ddp.h"
 #include "gradsync/error.h"
 #include "gradsync/fsdp.h"
@@ -30,7 +30,7 @@
 namespace gradsync::cli {
 namespace {
 
-using Ddp = DistributedDataParallel<torch::nn::Sequential>;
+using Ddp = DistributedDataParallel;
 
 // This rank's rows [offset, offset + size) of the global batch for the given split.
 std::pair<torch::Tensor, torch::Tensor> my_rows(const torch::Tensor& x, const torch::Tensor& y,
@@ -48,10 +48,10 @@ void measure(Ddp& ddp, const torch::Tensor& x, const torch::Tensor& y, const std
     auto guard = ddp.no_sync();  // hooks stay quiet: .grad is this rank's own gradient
     loss().backward();
   }
-  out.emplace_back(tag + ".local", flat_gradient(*ddp.module()));
+  out.emplace_back(tag + ".local", flat_gradient(ddp.module()));
   ddp.zero_grad();
   loss().backward();  // DDP: .grad is reduced across the ranks when backward() returns
-  out.emplace_back(tag + ".synced", flat_gradient(*ddp.module()));
+  out.emplace_back(tag + ".synced", flat_gradient(ddp.module()));
 }
 
 // Adds "<tag>.global_mean": the gradient DDP with Reduction::GlobalMean leaves in .grad when this rank's loss is
@@ -64,13 +64,13 @@ int64_t measure_global_mean(Ddp& ddp, const torch::Tensor& x, const torch::Tenso
     auto summed = F::cross_entropy(ddp.forward(x), y, F::CrossEntropyFuncOptions().reduction(torch::kSum));
     return ItemLoss{summed, x.size(0)};
   });
-  out.emplace_back(tag + ".global_mean", flat_gradient(*ddp.module()));
+  out.emplace_back(tag + ".global_mean", flat_gradient(ddp.module()));
   return step.total_items;
 }
 
 // Adds "<tag>.fsdp_full": the gradient FullyShardedDataParallel (FullShard, Reduction::Mean) applied, read back
 // through the parameters: one SGD step with lr = 1 on this rank's shards moves each parameter by exactly its
-// (sharded, reduced) gradient, so initial - updated, gathered with full_state_dict, is that gradient whole.
+// (sharded, reduced) gradient, so initial - updated, gathered with state_dict(), is that gradient whole.
 void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
                   const torch::Tensor& y, const std::string& tag, StateDict& out) {
   auto reference = lab_model(a.model, a.init_state);  // the initial parameters, in parameter order
@@ -81,7 +81,7 @@ void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, con
   fsdp.zero_grad();
   torch::nn::functional::cross_entropy(fsdp.forward(x), y).backward();
   optimizer.step();
-  const auto updated = fsdp.full_state_dict(/*all_ranks=*/true);
+  const auto updated = fsdp.state_dict();
   std::vector<torch::Tensor> parts;
   for (const auto& [name, initial] : reference->named_parameters().pairs()) {
     const auto it = std::find_if(updated.begin(), updated.end(), [&name = name](const auto& kv) {

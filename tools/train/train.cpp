@@ -7,21 +7,19 @@
 #include <chrono>
 #include <fstream>
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "data/data.h"
-#include "gradsync/accumulate.h"
-#include "gradsync/ddp.h"
-#include "gradsync/error.h"
-#include "gradsync/stats.h"
-#include "gradsync/sampler.h"
-#include "gradsync/state_dict.h"
-#include "launch/launch.h"
 #include "data/models.h"
+#include "gradsync/engine.h"
+#include "gradsync/error.h"
+#include "gradsync/state_dict.h"
+#include "gradsync/stats.h"
+#include "launch/launch.h"
+#include "train/engine_factory.h"
+#include "train/resource_report.h"
 #include "train/schedule.h"
-#include "train/sharded_training.h"
 #include "train/train_step.h"
 
 namespace gradsync::cli {
@@ -91,12 +89,8 @@ void validate(const TrainConfig& c, int world_size) {
   parse_model_spec(c.model);
   parse_loss_kind(c.loss);
   parse_reduction(c.reduction);
-  if (c.strategy != "local" && c.strategy != "ddp" && !is_sharded_strategy(c.strategy)) {
-    throw ConfigError(fmt::format("--strategy {} is not known; expected local, ddp, fsdp-full, fsdp-grad-op, "
-                                  "fsdp-no-shard or zero1", c.strategy));
-  }
   validate_sharding_flags(c);
-  if (c.strategy == "local" && world_size > 1) {
+  if (c.strategy == Strategy::Local && world_size > 1) {
     throw ConfigError(fmt::format("--strategy local runs one process, but the world size is {}; use --strategy "
                                   "ddp or drop --world-size", world_size));
   }
@@ -127,50 +121,76 @@ void validate(const TrainConfig& c, int world_size) {
     throw ConfigError("--reduction global-mean divides the summed per-sample losses by the step's sample count "
                       "itself; use it with --loss-reduction mean");
   }
-  if (c.replay_ranks != 0 && (c.strategy != "local" || c.replay_ranks < 1)) {
+  if (c.replay_ranks != 0 && (c.strategy != Strategy::Local || c.replay_ranks < 1)) {
     throw ConfigError(fmt::format("--replay-ranks {} is invalid; expected an integer >= 1 with --strategy local",
                                   c.replay_ranks));
   }
-  if (c.verify_every < 0 || (c.verify_every > 0 && c.strategy == "local")) {
+  if (c.verify_every < 0 || (c.verify_every > 0 && c.strategy == Strategy::Local)) {
     throw ConfigError(fmt::format("--verify-every {} is invalid; expected >= 0, with a data-parallel strategy",
                                   c.verify_every));
   }
   if (c.timeout_seconds <= 0) throw ConfigError(fmt::format("--timeout {} is invalid; expected > 0", c.timeout_seconds));
 }
 
-std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<World>& world) {
-  const int n = world ? world->size() : 1;
-  const int rank = world ? world->rank() : 0;
-  validate(c, n);
+namespace {
+
+// What one rank trains with: the model, its data, the engine over it, the optimizer over the engine's parameters.
+struct Run {
+  torch::nn::Sequential model;
+  Dataset data;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+};
+
+Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   torch::manual_seed(c.seed);
-  auto model = make_model(c.model);
-  if (!c.init_state.empty()) load_into(*model, load_state_dict(c.init_state));
+  Run run{make_model(c.model), {}, nullptr, nullptr};
+  if (!c.init_state.empty()) load_into(*run.model, load_state_dict(c.init_state));
   const auto spec = parse_model_spec(c.model);
-  auto data = load_dataset(c.data, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed);
+  run.data = load_dataset(c.data, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed);
+  run.engine = make_engine(c, run.model, world);
+  run.model->train();
+  run.optimizer = make_optimizer(c, run.engine->parameters());
+  run.engine->track_optimizer(run.optimizer.get());
+  return run;
+}
 
-  const int64_t model_bytes = parameter_bytes(*model);
-  std::unique_ptr<Ddp> ddp;
-  std::unique_ptr<ShardedTraining> sharded;
-  if (world && is_sharded_strategy(c.strategy)) {
-    sharded = make_sharded_training(c, model, world);
-  } else if (world) {
-    DdpOptions options;
-    options.reduction = parse_reduction(c.reduction);
-    ddp = std::make_unique<Ddp>(model, world, options);
+// e.g. BatchNorm1d given a 1-sample micro-batch: say where, and what to change.
+[[noreturn]] void degenerate_batch(const c10::Error& e, int rank, const StepRecord& r, int64_t micro_batch) {
+  throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
+                                "--accumulate or --world-size so that no micro-batch is degenerate)",
+                                rank, r.step, r.epoch, micro_batch, e.what_without_backtrace()));
+}
+
+void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records, int64_t model_bytes,
+            const std::shared_ptr<World>& world) {
+  const int rank = world ? world->rank() : 0;
+  if (!c.save_state.empty()) {
+    auto full = run.engine->state_dict(/*rank0_only=*/true);  // a collective for sharded engines
+    if (rank == 0) save_state_dict(full, c.save_state);
   }
-  model->train();
-  auto optimizer = make_optimizer(c, sharded ? sharded->parameters() : model->parameters());
-  if (sharded) sharded->track(*optimizer);
-  const bool report = sharded || c.report_memory;
-  MemoryMeter meter;  // local and ddp: parameters, .grad, optimizer state after every step
-  // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
-  const int ranks = world ? n : std::max(c.replay_ranks, 1);
-  const int64_t b = c.global_batch / (ranks * c.accumulate);
-  BatchSchedule schedule(data.size(), ranks, b, c.accumulate, c.shuffle, c.seed, !c.no_pad);
-  const int64_t steps = total_steps(c, schedule.steps_per_epoch());
-  StepContext ctx{c, data, model, ddp.get(), world, parse_reduction(c.reduction)};
-  ctx.sharded = sharded.get();
+  if ((is_sharded(c.strategy) || c.report_memory) && !c.quiet) {
+    if (is_sharded(c.strategy) && rank == 0) fmt::print("gradsync train: {}\n", describe_engine(c, *run.engine));
+    print_resource_report(to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), model_bytes, world);
+  }
+  if (world && world->size() > 1) world->comm().barrier();  // no rank exits while another still needs it
+}
 
+}  // namespace
+
+std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<World>& world) {
+  const int rank = world ? world->rank() : 0;
+  validate(c, world ? world->size() : 1);
+  auto run = set_up(c, world);
+  const int64_t model_bytes = parameter_bytes(*run.model);
+  const bool report = is_sharded(c.strategy) || c.report_memory;
+  // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
+  const int ranks = world ? world->size() : std::max(c.replay_ranks, 1);
+  const int64_t b = c.global_batch / (ranks * c.accumulate);
+  BatchSchedule schedule(run.data.size(), ranks, b, c.accumulate, c.shuffle, c.seed, !c.no_pad);
+  const int64_t steps = total_steps(c, schedule.steps_per_epoch());
+  const StepContext ctx{c, run.data, run.model, run.engine.get(), world, parse_reduction(c.reduction)};
+  const auto step_fn = choose_step(c, rank);
   StepLog log(c.log, rank == 0);
   Progress progress(rank == 0 && !c.quiet && (isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS")), steps);
   std::vector<StepRecord> records;
@@ -181,41 +201,19 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
       StepRecord record{step, epoch, 0, 0, 0};
       const int64_t written_before = report ? process_bytes_written() : 0;
       try {
-        if (sharded) {
-          run_sharded_step(ctx, schedule.step(rank, s), record);
-        } else if (ddp) {
-          run_ddp_step(ctx, schedule.step(rank, s), record);
-        } else {
-          std::vector<std::vector<torch::Tensor>> all;
-          for (int r = 0; r < ranks; ++r) all.push_back(schedule.step(r, s));
-          run_local_step(ctx, all, record);
-        }
+        step_fn(ctx, schedule, s, record);
       } catch (const c10::Error& e) {
-        // e.g. BatchNorm1d given a 1-sample micro-batch: say where, and what to change.
-        throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
-                                      "--accumulate or --world-size so that no micro-batch is degenerate)",
-                                      rank, step, epoch, b, e.what_without_backtrace()));
+        degenerate_batch(e, rank, record, b);
       }
-      const bool verify = ddp && c.verify_every > 0 && step % c.verify_every == 0;
+      const bool verify = c.verify_every > 0 && step % c.verify_every == 0;
       if (verify) verify_gradient(ctx, schedule.step(rank, s), step);
-      if (sharded) {
-        sharded->step(*optimizer);
-      } else {
-        optimizer->step();
-      }
-      if (report && !sharded) meter.sample(module_memory(*model, optimizer.get()));
-      if (sharded) {
-        sharded->zero_grad();
-      } else if (ddp) {
-        ddp->zero_grad();
-      } else {
-        model->zero_grad(/*set_to_none=*/false);
-      }
+      run.optimizer->step();
+      run.engine->zero_grad();
       if (verify) verify_replicas(ctx, step);
       record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
       if (report) {
         record.sent_bytes = process_bytes_written() - written_before;
-        record.memory_peak = (sharded ? sharded->memory() : meter.stats()).peak_total();
+        record.memory_peak = run.engine->memory().peak_total();
       }
       log.write(record);
       progress.update(record);
@@ -223,18 +221,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
     }
     if (schedule.steps_per_epoch() == 0) break;
   }
-  if (sharded && !c.save_state.empty()) {
-    auto full = sharded->full_state_dict();  // a collective: gathered onto rank 0
-    if (rank == 0) save_state_dict(full, c.save_state);
-  } else if (rank == 0 && !c.save_state.empty()) {
-    save_state_dict(state_dict(*model), c.save_state);
-  }
-  if (report && !c.quiet) {
-    if (sharded && rank == 0) fmt::print("gradsync train: {}\n", sharded->describe());
-    print_resource_report(c.strategy, sharded ? sharded->memory() : meter.stats(), mean_sent_bytes(records),
-                          model_bytes, world);
-  }
-  if (world && n > 1) world->comm().barrier();  // no rank exits while another still needs it
+  finish(c, run, records, model_bytes, world);
   return records;
 }
 
@@ -247,16 +234,6 @@ std::string self_executable() {
   return std::string(buf, static_cast<size_t>(len));
 }
 
-// This process's arguments after the program name, verbatim: the ranks re-run the same command.
-std::vector<std::string> own_arguments() {
-  std::ifstream in("/proc/self/cmdline", std::ios::binary);
-  std::vector<std::string> args;
-  std::string arg;
-  while (std::getline(in, arg, '\0')) args.push_back(arg);
-  if (!args.empty()) args.erase(args.begin());
-  return args;
-}
-
 void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records, int world_size) {
   if (c.quiet) return;
   if (records.empty()) {
@@ -265,7 +242,7 @@ void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records,
   }
   const auto& last = records.back();
   fmt::print("gradsync train: {} steps, {} epoch(s), world size {}, {} reduction; final loss {:.6f}{}\n",
-             records.size(), last.epoch + 1, world_size, c.strategy == "local" ? "no" : c.reduction, last.loss,
+             records.size(), last.epoch + 1, world_size, c.strategy == Strategy::Local ? "no" : c.reduction, last.loss,
              c.save_state.empty() ? "" : fmt::format("; state saved to {}", c.save_state));
 }
 
@@ -273,7 +250,7 @@ void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records,
 
 int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
   // (argv: this program's arguments, used to start the ranks)
-  if (c.strategy == "local") {
+  if (c.strategy == Strategy::Local) {
     validate(c, std::max(c.world_size, 1));
     auto records = train_rank(c, nullptr);
     print_summary(c, records, 1);
@@ -306,61 +283,6 @@ int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
   launch_options.command.insert(launch_options.command.end(), argv.begin(), argv.end());
   if (isatty(STDERR_FILENO)) launch_options.extra_env.emplace_back("GRADSYNC_PROGRESS", "1");
   return launch(launch_options);
-}
-
-void add_train_command(CLI::App& root, int& exit_code) {
-  auto config = std::make_shared<TrainConfig>();
-  auto* cmd = root.add_subcommand("train", "Train a model locally or data-parallel (the PyTorch DDP recipe, in C++)");
-  auto& c = *config;
-  cmd->add_option("--model", c.model, "mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT (Linear, BatchNorm1d, ReLU per hidden layer)")
-      ->required();
-  cmd->add_option("--data", c.data, "fashion-mnist, synthetic:N, or a file from torch.save({'inputs': X, 'targets': Y})")
-      ->required();
-  cmd->add_option("--global-batch", c.global_batch, "samples per optimizer step over all ranks and micro-steps")
-      ->required();
-  cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)");
-  cmd->add_option("--world-size", c.world_size, "ranks; without a launcher, train starts them itself");
-  cmd->add_option("--strategy", c.strategy,
-                  "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
-                  "fsdp-no-shard or zero1 (see docs/sharding.md)");
-  cmd->add_option("--optimizer", c.optimizer, "sgd or adam");
-  cmd->add_option("--lr", c.lr, "learning rate (default 0.01 for sgd, 1e-3 for adam)");
-  cmd->add_option("--momentum", c.momentum, "sgd momentum (default 0)");
-  cmd->add_option("--weight-decay", c.weight_decay, "L2 weight decay (default 0)");
-  cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse");
-  cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples");
-  cmd->add_option("--reduction", c.reduction,
-                  "mean (PyTorch DDP: 1/N of the sum), sum, or global-mean (1/T of the sum of per-sample gradients, "
-                  "T = samples in the step over all ranks and micro-batches)");
-  auto* steps = cmd->add_option("--steps", c.steps, "optimizer steps in total (crossing epochs)");
-  auto* epochs = cmd->add_option("--epochs", c.epochs, "whole epochs (default 1)");
-  steps->excludes(epochs);
-  cmd->add_option("--seed", c.seed, "seed of the model, the sampler and synthetic data (default 0)");
-  cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "shuffle every epoch (default) or not");
-  cmd->add_flag("--no-pad", c.no_pad, "every sample exactly once per epoch (ranks may get uneven counts, even 0)");
-  cmd->add_option("--replay-ranks", c.replay_ranks,
-                  "with --strategy local: train one process on exactly the global batches of N ranks (a reference)");
-  cmd->add_option("--verify-every", c.verify_every,
-                  "every S steps: recompute the step's gradient in one process on rank 0 and compare; check that all "
-                  "ranks hold identical parameters (off by default; costs one extra forward/backward of the global "
-                  "batch on rank 0)");
-  cmd->add_option("--inject-fault", c.inject_fault, "tests only: grad@STEP or diverge@STEP")->group("");
-  cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(dict(model.state_dict()), FILE)");
-  cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
-  cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
-  cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)");
-  cmd->add_flag("--quiet", c.quiet, "no summary line");
-  cmd->add_option("--wrap", c.wrap, "fsdp-*: units: children (default), params:N (consecutive children until N "
-                  "parameters) or list:A,B (named children; the rest form the root unit)");
-  cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
-  cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
-  cmd->add_option("--accumulate-grads", c.accumulate_grads,
-                  "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
-                  "(reduce-scatter every micro-step, gradient memory stays 1/N)");
-  cmd->add_flag("--report-memory", c.report_memory,
-                "memory (parameters, gradients, optimizer state) and bytes sent per rank in the log and summary "
-                "(always on for sharded strategies)");
-  cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });
 }
 
 }  // namespace gradsync::cli

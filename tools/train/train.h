@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gradsync/runtime.h"
+#include "train/strategy.h"
 
 namespace CLI {
 class App;
@@ -21,7 +22,7 @@ struct TrainConfig {
   int64_t global_batch = 0;       // samples per optimizer step over all ranks and micro-steps
   int64_t accumulate = 1;         // micro-batches per optimizer step (K)
   int world_size = 0;             // 0: not given (1, or the launcher's WORLD_SIZE)
-  std::string strategy = "ddp";   // local | ddp | fsdp-full | fsdp-grad-op | fsdp-no-shard | zero1
+  Strategy strategy = Strategy::Ddp;
   std::string optimizer = "sgd";  // sgd | adam
   std::optional<double> lr;       // default: 0.01 for sgd (torch.optim requires one), 1e-3 for adam
   std::optional<double> momentum;
@@ -42,7 +43,7 @@ struct TrainConfig {
   std::string log;
   double timeout_seconds = 1800;  // process-group timeout (PyTorch's default: 30 min)
   bool quiet = false;
-  // Sharded strategies (see sharded_training.h, docs/sharding.md).
+  // Sharded strategies (see engine_factory.h, docs/sharding.md).
   std::string wrap;                       // fsdp-*: children | params:N | list:A,B (default children)
   std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
   std::string reduce_dtype;               // fsdp-*: gradient reduction dtype, default the param dtype
@@ -63,8 +64,8 @@ struct StepRecord {
 // Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.
 void validate(const TrainConfig& config, int world_size);
 
-// One rank's training loop (world is null for --strategy local). Returns the step records (every rank has the
-// same losses). Rank 0 writes --log and --save-state.
+// One rank's training loop, written once against the engine interface (world is null for --strategy local).
+// Returns the step records (every rank has the same losses). Rank 0 writes --log and --save-state.
 std::vector<StepRecord> train_rank(const TrainConfig& config, const std::shared_ptr<World>& world);
 
 // The whole command: validates, then trains locally, as one rank under a launcher, or starts --world-size

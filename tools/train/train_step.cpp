@@ -1,11 +1,12 @@
-// One training step per strategy and reduction, and the gradient checks (see train_step.h).
+// One training step against the engine interface, the replayed-ranks reference, and the gradient checks (see
+// train_step.h).
 #include "train/train_step.h"
 
 #include <sstream>
 
 #include <fmt/format.h>
 
-#include "gradsync/accumulate.h"
+#include "gradsync/engine.h"
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/verify.h"
@@ -14,10 +15,11 @@
 namespace gradsync::cli {
 namespace {
 
+// In float32 whatever the engine computes in (FSDP's --param-dtype): the loss is computed in float32.
 torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
   auto inputs = ctx.data.inputs.index_select(0, indices);
-  if (ctx.sharded) return ctx.sharded->forward(inputs);
-  return ctx.ddp ? ctx.ddp->forward(inputs) : ctx.model.ptr()->forward(inputs);
+  auto output = ctx.engine ? ctx.engine->forward(inputs) : ctx.model.ptr()->forward(inputs);
+  return output.is_floating_point() && output.scalar_type() != torch::kFloat ? output.to(torch::kFloat) : output;
 }
 
 torch::Tensor loss_of(const TrainConfig& c, const torch::Tensor& output, const torch::Tensor& target) {
@@ -39,7 +41,7 @@ int64_t count(const std::vector<torch::Tensor>& micro) {
 
 // Mean over ranks of the step loss and total samples, in float64 (one 16-byte allreduce per step).
 void reduce_record(const StepContext& ctx, StepRecord& record) {
-  if (ctx.world->size() == 1) return;
+  if (!ctx.world || ctx.world->size() == 1) return;
   auto t = torch::tensor({record.loss, static_cast<double>(record.samples)}, torch::kDouble);
   ctx.world->comm().allreduce(t, Reduction::Sum);
   record.loss = t[0].item<double>() / ctx.world->size();
@@ -90,39 +92,36 @@ torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indi
   return loss_of(ctx.config, forward(ctx, indices), ctx.data.targets.index_select(0, indices));
 }
 
-void run_ddp_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record) {
+namespace {
+
+// The engine's step: K' micro-batches of this rank (possibly none: it then joins with zeros).
+void engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record) {
   const auto group = static_cast<int64_t>(micro.size());
   if (ctx.reduction == Reduction::GlobalMean) {
-    // Per-sample mean loss x sample count = summed per-sample loss; the reducer divides by the global count.
-    auto result = accumulate_global_mean(*ctx.ddp, group, [&](int64_t k) {
+    // Per-sample mean loss x sample count = summed per-sample loss; the engine divides by the global count.
+    auto result = accumulate_global_mean(*ctx.engine, group, [&](int64_t k) {
       const auto& idx = micro[static_cast<size_t>(k)];
       return ItemLoss{micro_batch_loss(ctx, idx) * static_cast<double>(idx.numel()), idx.numel()};
     });
     record.loss = result.mean_loss;
     record.samples = result.total_items;
   } else {
-    // accumulate() divides each micro-batch loss by the group size: .grad sums (see accumulate.h).
-    record.loss = accumulate(*ctx.ddp, group, [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
+    // accumulate() divides each micro-batch loss by the group size: .grad sums (see engine.h).
+    record.loss = accumulate(*ctx.engine, group,
+                             [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
     record.samples = count(micro);
     reduce_record(ctx, record);
   }
   const int corrupt_at = fault_step(ctx.config.inject_fault, "grad");
-  if (corrupt_at == record.step && ctx.world->rank() == 0) {
+  auto first = ctx.model->parameters().front();  // a handle: .grad is the parameter's own
+  if (corrupt_at == record.step && (!ctx.world || ctx.world->rank() == 0) && first.grad().defined()) {
     torch::NoGradGuard no_grad;
-    ctx.model.ptr()->parameters().front().mutable_grad().mul_(1.5);  // a deliberately wrong gradient (tests only)
+    first.mutable_grad().mul_(1.5);  // a deliberately wrong gradient (tests only)
   }
 }
 
-void run_local_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank,
-                    StepRecord& record) {
-  if (per_rank.size() == 1 && ctx.reduction != Reduction::GlobalMean) {
-    // The plain local recipe, operation for operation what a Python loop does: loss / K' per micro-batch.
-    const auto& micro = per_rank.front();
-    record.loss = accumulate(static_cast<int64_t>(micro.size()),
-                             [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
-    record.samples = count(micro);
-    return;
-  }
+// One process, the micro-batches of every replayed rank -> .grad as the reduction defines it.
+void replay_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank, StepRecord& record) {
   if (ctx.reduction == Reduction::GlobalMean) {
     // The definition itself: the mean loss over the whole global batch, in one forward.
     std::vector<torch::Tensor> all;
@@ -143,6 +142,23 @@ void run_local_step(const StepContext& ctx, const std::vector<std::vector<torch:
       record.samples += idx.numel();
     }
   }
+}
+
+}  // namespace
+
+StepFn choose_step(const TrainConfig& c, int rank) {
+  const auto reduction = parse_reduction(c.reduction);
+  const int replayed = std::max(c.replay_ranks, 1);
+  if (c.strategy == Strategy::Local && (replayed > 1 || reduction == Reduction::GlobalMean)) {
+    return [replayed](const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord& record) {
+      std::vector<std::vector<torch::Tensor>> all;
+      for (int r = 0; r < replayed; ++r) all.push_back(schedule.step(r, s));
+      replay_step(ctx, all, record);
+    };
+  }
+  return [rank](const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord& record) {
+    engine_step(ctx, schedule.step(rank, s), record);
+  };
 }
 
 void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& micro, int64_t step) {

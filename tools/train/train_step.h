@@ -1,40 +1,39 @@
-// defines: one optimizer step of `gradsync train` (its gradient, before optimizer.step()) for each strategy and
-// reduction, and the --verify-every checks of that gradient.
+// defines: one optimizer step of `gradsync train` (its gradient, before optimizer.step()), written once against the
+// engine interface, the one-process reference that replays several ranks' batches, and the --verify-every checks.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include "data/data.h"
-#include "gradsync/ddp.h"
-#include "train/sharded_training.h"
+#include "gradsync/engine.h"
+#include "train/schedule.h"
 #include "train/train.h"
 
 namespace gradsync::cli {
 
-using Ddp = DistributedDataParallel<torch::nn::Sequential>;
-
 struct StepContext {
   const TrainConfig& config;
   const Dataset& data;
-  torch::nn::Sequential model;
-  Ddp* ddp;                      // null for --strategy local
+  torch::nn::Sequential model;   // the unwrapped model (what --verify-every and the fault injection read)
+  Engine* engine;                // null for a plain local model (the verification's reference)
   std::shared_ptr<World> world;  // null for --strategy local
   Reduction reduction;
-  ShardedTraining* sharded = nullptr;  // set for --strategy fsdp-* and zero1 (then ddp is null)
 };
 
-// The per-sample-mean (or summed, per --loss-reduction) loss of one micro-batch, with its graph.
+// The per-sample-mean (or summed, per --loss-reduction) loss of one micro-batch in float32, with its graph.
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices);
 
-// This rank's micro-batches (possibly none) -> synchronised .grad; fills record.loss and record.samples with
-// figures over all ranks.
-void run_ddp_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record);
+// This rank's micro-batches of step s -> .grad as the reduction defines it; fills record.loss and record.samples
+// with figures over all ranks.
+using StepFn = std::function<void(const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord&)>;
 
-// One process, the micro-batches of every replayed rank -> .grad as the reduction defines it.
-void run_local_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank,
-                    StepRecord& record);
+// Chosen once per run: the engine's step (accumulate(), or accumulate_global_mean() for Reduction::GlobalMean), or,
+// for --strategy local with --replay-ranks or global-mean, the one-process statement of the reduction over every
+// replayed rank's micro-batches.
+StepFn choose_step(const TrainConfig& config, int rank);
 
 // --verify-every: rank 0 recomputes the step's gradient in one process from every rank's micro-batches (gathered:
 // one allgather of their indices) and throws DistributedError if the synchronised gradient differs.

@@ -1,0 +1,285 @@
+// defines: Engine, the one interface every gradsync engine offers (DistributedDataParallel, FullyShardedDataParallel,
+// Zero1DataParallel, LocalEngine), NoSyncGuard, and accumulate(): K micro-batches per optimizer step.
+//
+// A training loop is written once against Engine; switching engines changes the line that constructs it:
+//
+//   gradsync::DistributedDataParallel engine(model, world);    // or FullyShardedDataParallel, Zero1DataParallel,
+//                                                              // LocalEngine engine(model)
+//   torch::optim::SGD optimizer(engine.parameters(), 0.1);     // what this rank steps (shards for FSDP and ZeRO)
+//   engine.track_optimizer(&optimizer);                        // its state counts in engine.memory()
+//   for (...) {
+//     engine.zero_grad();
+//     gradsync::accumulate(engine, K, [&](int64_t k) { return loss_fn(engine.forward(x[k]), y[k]); });
+//     engine.clip_grad_norm(1.0);                              // optional: the norm of the whole gradient
+//     optimizer.step();
+//   }
+//   auto state = engine.state_dict();                          // the unwrapped model's, Python's keys
+//
+// The rules every engine follows (see docs/semantics.md):
+//  - when backward() returns after a synchronised forward, the gradient of parameters() is reduced over ranks as
+//    the engine's Reduction says (Mean: 1/N then SUM, see Note [Where the division happens]);
+//  - a forward inside no_sync() (or with grad disabled) makes the coming backward accumulate locally; the next
+//    synchronised backward reduces the sum;
+//  - rank 0's buffers are broadcast before a forward that follows a synchronised one (PyTorch DDP's rule);
+//  - accumulate() divides each micro-batch loss by K because .grad sums; nothing divides by K anywhere else;
+//  - a rank with no micro-batch in a step calls accumulate(engine, 0, ...): it joins the step's collectives with
+//    zero gradients, still counted in the 1/N of Mean (as PyTorch's Join).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "gradsync/collectives.h"
+#include "gradsync/reduction.h"
+#include "gradsync/state_dict.h"
+#include "gradsync/stats.h"
+
+namespace gradsync {
+
+namespace detail {
+template <typename Impl, typename = void>
+struct HasTensorForward : std::false_type {};
+template <typename Impl>
+struct HasTensorForward<Impl, std::void_t<decltype(torch::Tensor(std::declval<Impl&>().forward(
+                                  std::declval<const torch::Tensor&>())))>> : std::true_type {};
+}  // namespace detail
+
+// The module an engine trains: any torch::nn module holder (torch::nn::Sequential, your TORCH_MODULE) or a
+// shared_ptr to a module. Its forward(Tensor), when it has one, is what Engine::forward(x) runs.
+struct ModuleRef {
+  std::shared_ptr<torch::nn::Module> module;
+  std::function<torch::Tensor(const torch::Tensor&)> forward;  // empty when the module has no forward(Tensor)
+
+  template <typename Impl, typename = std::enable_if_t<std::is_base_of_v<torch::nn::Module, Impl>>>
+  ModuleRef(std::shared_ptr<Impl> impl) : module(impl) {  // NOLINT: implicit, so engines take holders or pointers
+    if constexpr (detail::HasTensorForward<Impl>::value) {
+      forward = [impl](const torch::Tensor& x) -> torch::Tensor { return impl->forward(x); };
+    }
+  }
+  template <typename Holder, typename = decltype(std::declval<const Holder&>().ptr())>
+  ModuleRef(const Holder& holder) : ModuleRef(holder.ptr()) {}  // NOLINT: implicit, see above
+};
+
+class Engine;
+
+// RAII: forward/backward passes in scope accumulate locally without communication (engine.no_sync()).
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(Engine& engine);
+  ~NoSyncGuard();
+  NoSyncGuard(const NoSyncGuard&) = delete;
+  NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+ private:
+  Engine& engine_;
+  bool previous_;
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // ---- forward ---------------------------------------------------------------------------------------------
+  // The module's forward(x) between the engine's forward hooks. FSDP drives a torch::nn::Sequential unit by unit.
+  virtual torch::Tensor forward(const torch::Tensor& input);
+  torch::Tensor operator()(const torch::Tensor& input) { return forward(input); }
+  // Any forward: body() computes it (FSDP: calling unit(name, fn) around each unit's part).
+  template <typename Body>
+  auto forward_with(Body&& body) {
+    begin_forward();
+    try {
+      auto output = body();
+      end_forward();
+      return output;
+    } catch (...) {
+      abort_forward();
+      throw;
+    }
+  }
+
+  // ---- synchronisation -------------------------------------------------------------------------------------
+  [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+  virtual bool require_sync() const = 0;
+  virtual void set_require_sync(bool sync) = 0;
+
+  // ---- what the optimizer sees -----------------------------------------------------------------------------
+  // This rank's trainable tensors: the module's parameters (DDP, local) or this rank's shards (FSDP, ZeRO-1).
+  virtual std::vector<torch::Tensor> parameters() const = 0;
+  // Gradients to zero (DDP, local: in place) or released (FSDP, ZeRO-1: shard gradients become undefined).
+  virtual void zero_grad() = 0;
+  // After the synchronising backward: scales the gradient so the norm of the whole (unsharded, reduced) gradient
+  // is <= max_norm, as torch::nn::utils::clip_grad_norm_; returns that norm, the same on every rank.
+  virtual double clip_grad_norm(double max_norm, double norm_type = 2.0) = 0;
+  // The optimizer whose state memory() counts (not owned; pass nullptr before destroying it).
+  virtual void track_optimizer(const torch::optim::Optimizer* optimizer) = 0;
+
+  // ---- state -------------------------------------------------------------------------------------------------
+  // Collective. The unwrapped module's parameters and buffers with Python's keys and order (buffers: rank 0's
+  // for sharded engines, this rank's own for DDP and local), on every rank, or only on rank 0 with rank0_only
+  // (other ranks get an empty one: no rank but 0 then holds the whole model).
+  virtual StateDict state_dict(bool rank0_only = false) = 0;
+  // Collective. Loads rank 0's `state` everywhere (other ranks may pass an empty one). Strict: a missing,
+  // unexpected or mis-shaped key fails on every rank, naming it, and nothing is modified.
+  virtual void load_state_dict(const StateDict& state) = 0;
+
+  // ---- what it costs ---------------------------------------------------------------------------------------
+  virtual MemoryStats memory() const = 0;  // parameters, gradients, optimizer state held by this rank
+  virtual CommStats traffic() const = 0;   // bytes this rank sent in gradient/parameter collectives
+
+  // ---- identity ----------------------------------------------------------------------------------------------
+  virtual torch::nn::Module& module() = 0;  // the unwrapped module (for FSDP: its parameters are views of units)
+  virtual Reduction reduction() const = 0;
+  virtual const char* name() const = 0;     // "DistributedDataParallel", ... for messages
+  // The communicator of this engine's ranks; null for the local engine.
+  virtual Collectives* comm() = 0;
+
+  // ---- what accumulate() and forward_with() call -------------------------------------------------------------
+  virtual void begin_forward() = 0;  // buffer broadcast, gathers; decides nothing yet
+  virtual void end_forward() = 0;    // decides whether the coming backward synchronises
+  virtual void abort_forward() {}    // the body threw between begin_forward() and end_forward()
+  // After begin_forward() and end_forward() without a real forward: the synchronised backward's collectives with
+  // zero gradients, so a rank without data neither stalls the others nor changes their sequence of collectives.
+  virtual void join_backward() = 0;
+  // Sharded accumulation that reduces every micro-step (FSDP's ReduceEveryMicroStep): accumulate() then runs
+  // every micro-batch synchronised and calls continue_accumulation() between them.
+  virtual bool reduces_every_micro_step() const { return false; }
+  // The next forward continues the current step: no buffer broadcast, as after a no_sync forward.
+  virtual void continue_accumulation() {}
+  // Reduction::GlobalMean: the step's item count over all ranks, before the synchronising backward.
+  virtual void set_global_item_count(int64_t items);
+
+ protected:
+  explicit Engine(const ModuleRef& module) : module_forward_(module.forward) {}
+
+ private:
+  std::function<torch::Tensor(const torch::Tensor&)> module_forward_;
+};
+
+inline NoSyncGuard::NoSyncGuard(Engine& engine) : engine_(engine), previous_(engine.require_sync()) {
+  engine_.set_require_sync(false);
+}
+inline NoSyncGuard::~NoSyncGuard() { engine_.set_require_sync(previous_); }
+
+// ---- accumulate() --------------------------------------------------------------------------------------------
+//
+// Why the loss is scaled by 1/K: backward() *adds* into .grad. After K backward passes .grad holds the SUM of the
+// K micro-batch gradients, K times the gradient of the mean loss. Dividing each micro-batch's (per-sample mean)
+// loss by K turns that sum into the mean over the K micro-batches, which for equal micro-batches is the gradient
+// of the mean loss over all K*b samples. The engine then averages over ranks (Reduction::Mean), so the step's
+// gradient is that of the mean loss over the whole global batch of N*K*b samples. Communication happens once, on
+// the last micro-batch: the first K-1 run under no_sync() (unless the engine reduces every micro-step).
+//
+// The 1/K rule gives the global mean only when every micro-batch and every rank holds the same number of items;
+// accumulate_global_mean() gives it for any counts (Reduction::GlobalMean, see reduction.h).
+
+namespace detail {
+void check_micro_batches(int64_t micro_batches, int64_t minimum);
+}  // namespace detail
+
+// One process without an engine: micro_loss(k) returns micro-batch k's loss (a per-sample mean, with its graph).
+// Returns the step's loss, the sum over k of loss_k / K.
+template <typename LossFn>
+double accumulate(int64_t micro_batches, LossFn&& micro_loss) {
+  detail::check_micro_batches(micro_batches, 1);
+  double total = 0;
+  for (int64_t k = 0; k < micro_batches; ++k) {
+    auto scaled = micro_loss(k) / static_cast<double>(micro_batches);
+    scaled.backward();
+    total += scaled.template item<double>();
+  }
+  return total;
+}
+
+// Any engine: micro_loss(k) runs engine.forward itself (so no_sync covers the forward too) and returns micro-batch
+// k's loss. micro_batches may be 0 on a rank without data in this step: it joins with zero gradients.
+template <typename LossFn>
+double accumulate(Engine& engine, int64_t micro_batches, LossFn&& micro_loss) {
+  detail::check_micro_batches(micro_batches, 0);
+  if (micro_batches == 0) {
+    engine.begin_forward();
+    engine.end_forward();
+    engine.join_backward();
+    return 0;
+  }
+  double total = 0;
+  for (int64_t k = 0; k < micro_batches; ++k) {
+    auto step = [&] {
+      auto scaled = micro_loss(k) / static_cast<double>(micro_batches);
+      scaled.backward();
+      total += scaled.template item<double>();
+    };
+    const bool last = k + 1 == micro_batches;
+    if (last) {
+      step();
+    } else if (engine.reduces_every_micro_step()) {
+      step();
+      engine.continue_accumulation();
+    } else {
+      auto guard = engine.no_sync();
+      step();
+    }
+  }
+  return total;
+}
+
+// One micro-batch's contribution under Reduction::GlobalMean: the SUM of its per-item losses and how many items
+// (samples, non-padding tokens, ...) it holds.
+struct ItemLoss {
+  torch::Tensor summed_loss;
+  int64_t items = 0;
+};
+
+struct GlobalStepLoss {
+  double mean_loss = 0;     // sum of all items' losses / total items, over all ranks
+  int64_t total_items = 0;  // T: items in the step over all ranks and micro-batches
+};
+
+namespace detail {
+// One allreduce of (items, loss sum) over the engine's ranks; hands T to the engine.
+GlobalStepLoss global_totals(Engine& engine, int64_t items, double loss_sum);
+void require_global_mean(const Engine& engine);
+}  // namespace detail
+
+// Reduction::GlobalMean: every micro-batch backpropagates its summed loss (no scaling: .grad sums per-item
+// gradients), micro-batches 0..K-2 under no_sync(). Before the last backward one allreduce of two numbers gives the
+// step's total item count T (and loss sum), and the engine folds 1/T into its reduction. The gradient is then
+// exactly that of the mean loss over all T items, whatever the per-rank and per-micro-batch counts.
+// micro_batches may be 0 on a rank without data in this step; it contributes zero items and zero gradients.
+template <typename ItemLossFn>
+GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, ItemLossFn&& micro_loss) {
+  detail::check_micro_batches(micro_batches, 0);
+  detail::require_global_mean(engine);
+  if (micro_batches == 0) {
+    engine.begin_forward();
+    engine.end_forward();
+    auto out = detail::global_totals(engine, 0, 0.0);
+    engine.join_backward();
+    return out;
+  }
+  int64_t items = 0;
+  double loss_sum = 0;
+  for (int64_t k = 0; k + 1 < micro_batches; ++k) {
+    auto guard = engine.no_sync();
+    ItemLoss part = micro_loss(k);
+    items += part.items;
+    loss_sum += part.summed_loss.template item<double>();
+    part.summed_loss.backward();
+  }
+  ItemLoss last = micro_loss(micro_batches - 1);  // synchronised forward
+  items += last.items;
+  loss_sum += last.summed_loss.template item<double>();
+  auto out = detail::global_totals(engine, items, loss_sum);
+  last.summed_loss.backward();
+  return out;
+}
+
+}  // namespace gradsync

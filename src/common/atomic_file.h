@@ -1,0 +1,18 @@
+// defines: write_file_atomically(), the one way gradsync writes a file that must never be seen half-written
+// (state dicts, sharded checkpoints): after it returns the path holds the new file; if it throws, the path still
+// holds the old one and no temp file is left behind.
+#pragma once
+#include <string>
+#include <vector>
+
+namespace gradsync {
+
+// Temp file in the target's directory (so the rename cannot cross file systems), write, fsync, rename over the
+// path, fsync the directory (so the rename itself survives a crash). Every failure closes the descriptor and
+// removes the temp file, then throws Error naming the path, the step and errno.
+void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
+
+// Creates DIR and its missing parents (mkdir -p); throws Error naming the first directory that cannot be made.
+void make_directories(const std::string& dir);
+
+}  // namespace gradsync

@@ -1,0 +1,104 @@
+// DistributedDataParallel: the engine interface over a Reducer (see ddp.h).
+#include "gradsync/ddp.h"
+
+#include <fmt/format.h>
+
+#include "common/clip_grad.h"
+#include "common/consistency.h"
+#include "ddp/reducer.h"
+#include "gradsync/error.h"
+
+namespace gradsync {
+
+DistributedDataParallel::DistributedDataParallel(const ModuleRef& module, std::shared_ptr<World> world,
+                                                 DdpOptions options)
+    : Engine(module), reducer_(std::make_shared<Reducer>()) {
+  reducer_->module = module.module;
+  reducer_->world = std::move(world);
+  reducer_->options = options;
+  reducer_->set_up(reducer_);
+}
+
+DistributedDataParallel::~DistributedDataParallel() = default;
+
+bool DistributedDataParallel::require_sync() const { return reducer_->require_backward_sync; }
+void DistributedDataParallel::set_require_sync(bool sync) { reducer_->require_backward_sync = sync; }
+std::vector<torch::Tensor> DistributedDataParallel::parameters() const { return reducer_->params; }
+
+void DistributedDataParallel::zero_grad() {
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& param : reducer_->params) {
+      if (param.grad().defined()) param.mutable_grad().zero_();
+    }
+  }
+  reducer_->sample_memory();
+}
+
+double DistributedDataParallel::clip_grad_norm(double max_norm, double norm_type) {
+  return gradsync::clip_grad_norm(reducer_->params, max_norm, norm_type, /*spread_over=*/nullptr);
+}
+
+void DistributedDataParallel::track_optimizer(const torch::optim::Optimizer* optimizer) {
+  reducer_->optimizer = optimizer;
+  reducer_->sample_memory();
+}
+
+StateDict DistributedDataParallel::state_dict(bool rank0_only) {
+  if (rank0_only && reducer_->rank() != 0) return {};
+  StateDict out;
+  for (const auto& [name, tensor] : gradsync::state_dict(*reducer_->module)) {
+    out.emplace_back(name, tensor.detach().clone());
+  }
+  return out;
+}
+
+void DistributedDataParallel::load_state_dict(const StateDict& state) {
+  auto& comm = reducer_->world->comm();
+  // Strict on rank 0 (load_into checks every key first); its values then overwrite every replica's.
+  fail_together_on_throw(comm, "DistributedDataParallel: load_state_dict", [&] {
+    if (comm.rank() == 0) load_into(*reducer_->module, state);
+  });
+  std::vector<torch::Tensor> everything = reducer_->module->parameters();
+  const auto& buffers = reducer_->buffers.buffers();
+  everything.insert(everything.end(), buffers.begin(), buffers.end());
+  comm.broadcast_coalesced(everything, /*root=*/0);
+}
+
+MemoryStats DistributedDataParallel::memory() const {
+  reducer_->sample_memory();
+  return reducer_->meter.stats();
+}
+
+CommStats DistributedDataParallel::traffic() const { return reducer_->traffic; }
+torch::nn::Module& DistributedDataParallel::module() { return *reducer_->module; }
+Reduction DistributedDataParallel::reduction() const { return reducer_->options.reduction; }
+Collectives* DistributedDataParallel::comm() { return &reducer_->world->comm(); }
+void DistributedDataParallel::begin_forward() { reducer_->before_forward(); }
+void DistributedDataParallel::end_forward() { reducer_->after_forward(); }
+void DistributedDataParallel::join_backward() { reducer_->join_backward(); }
+
+void DistributedDataParallel::set_global_item_count(int64_t items) {
+  if (items < 0) throw ConfigError(fmt::format("global item count {} is invalid; expected >= 0", items));
+  reducer_->global_items = items;
+}
+
+const DdpOptions& DistributedDataParallel::options() const { return reducer_->options; }
+World& DistributedDataParallel::world() { return *reducer_->world; }
+size_t DistributedDataParallel::bucket_count() const { return reducer_->buckets.size(); }
+
+std::vector<std::vector<std::string>> DistributedDataParallel::bucket_parameter_names() const {
+  std::vector<std::vector<std::string>> out;
+  for (const auto& bucket : reducer_->buckets) {
+    out.emplace_back();
+    for (size_t i : bucket.params) out.back().push_back(reducer_->names[i]);
+  }
+  return out;
+}
+
+BackwardTimeline DistributedDataParallel::last_timeline() const {
+  std::lock_guard<std::mutex> lock(reducer_->mutex);
+  return reducer_->timeline;
+}
+
+}  // namespace gradsync

@@ -1,0 +1,34 @@
+// Replica set-up and the buffer rule shared by every engine (see replica.h).
+#include "engine/replica.h"
+
+#include <fmt/format.h>
+
+#include "common/consistency.h"
+#include "gradsync/error.h"
+
+namespace gradsync {
+
+std::vector<torch::Tensor> set_up_replica(Collectives& comm, const std::string& who, torch::nn::Module& module,
+                                          const std::vector<std::string>& extra_lines) {
+  auto lines = describe_module(module);
+  lines.insert(lines.end(), extra_lines.begin(), extra_lines.end());
+  check_same_on_every_rank(comm, who, lines);
+  std::vector<torch::Tensor> buffers = module.buffers();
+  std::vector<torch::Tensor> everything = module.parameters();
+  everything.insert(everything.end(), buffers.begin(), buffers.end());
+  comm.broadcast_coalesced(everything, /*root=*/0);
+  return buffers;
+}
+
+void BufferSync::before_forward(Collectives& comm) {
+  if (enabled_ && required_ && comm.size() > 1 && !buffers_.empty()) comm.broadcast_coalesced(buffers_, /*root=*/0);
+}
+
+void require_mean_or_sum(const std::string& who, Reduction reduction) {
+  if (reduction != Reduction::Mean && reduction != Reduction::Sum) {
+    throw ConfigError(fmt::format("{}: reduction {} is not supported; expected mean or sum (GlobalMean needs "
+                                  "DistributedDataParallel)", who, to_string(reduction)));
+  }
+}
+
+}  // namespace gradsync

@@ -1,0 +1,43 @@
+// defines: what every data-parallel engine does to become a replica of rank 0's model (set_up_replica), the buffer
+// rule they all follow (BufferSync), and the reductions the sharded engines accept.
+#pragma once
+#include <string>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "gradsync/collectives.h"
+#include "gradsync/reduction.h"
+
+namespace gradsync {
+
+// Every rank must describe the same model (parameters and buffers: names, dtypes, shapes; plus `extra_lines`,
+// e.g. a sharding plan), else DistributedError on every rank naming the first difference -- a mismatch found later
+// would be a deadlock or garbage. Then rank 0's parameters (frozen ones too, as PyTorch DDP) and buffers overwrite
+// every rank's. Returns the module's buffers.
+std::vector<torch::Tensor> set_up_replica(Collectives& comm, const std::string& who, torch::nn::Module& module,
+                                          const std::vector<std::string>& extra_lines = {});
+
+// PyTorch DDP's buffer rule (broadcast_buffers): rank 0's buffers (BatchNorm statistics) overwrite every rank's
+// before a forward that follows a synchronised one. A forward that will not synchronise (no_sync, no grad) or a
+// continued accumulation step skips the next broadcast, so statistics stay per rank within an optimizer step.
+class BufferSync {
+ public:
+  BufferSync() = default;
+  BufferSync(std::vector<torch::Tensor> buffers, bool enabled) : buffers_(std::move(buffers)), enabled_(enabled) {}
+
+  void before_forward(Collectives& comm);
+  void after_forward(bool synchronised) { required_ = synchronised; }
+  void continue_accumulation() { required_ = false; }
+  const std::vector<torch::Tensor>& buffers() const { return buffers_; }
+
+ private:
+  std::vector<torch::Tensor> buffers_;
+  bool enabled_ = true;
+  bool required_ = true;
+};
+
+// The sharded engines reduce with Mean or Sum; GlobalMean needs DDP's reducer (ConfigError naming `who`).
+void require_mean_or_sum(const std::string& who, Reduction reduction);
+
+}  // namespace gradsync

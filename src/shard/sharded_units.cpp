@@ -1,0 +1,255 @@
+// When FSDP's units are gathered, freed and reduced (see sharded_units.h; one unit's life is drawn in fsdp.h).
+#include "shard/sharded_units.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "gradsync/error.h"
+
+namespace gradsync {
+namespace {
+
+constexpr const char* kWho = "FullyShardedDataParallel";
+
+// Called by autograd after AccumulateGrad has added into a parameter's .grad (a view of its unit's buffer).
+class GradReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradReadyHook(std::weak_ptr<ShardedUnits> units, size_t unit) : units_(std::move(units)), unit_(unit) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto units = units_.lock()) units->grad_ready(unit_);
+    return outputs;
+  }
+
+ private:
+  std::weak_ptr<ShardedUnits> units_;  // the hook outlives the engine inside autograd's graph
+  size_t unit_;
+};
+
+}  // namespace
+
+void ShardedUnits::sample_memory() const {
+  std::vector<const FlatParam*> all;
+  for (const auto& f : flats) all.push_back(f.get());
+  meter.sample(count_memory(all, optimizer));
+}
+
+void ShardedUnits::gather(size_t u, OrderCheck::Op op) {
+  auto& flat = *flats[u];
+  if (flat.gathered()) return;
+  order->expect(comm(), op, u, flat.padded_numel());
+  flat.gather(comm(), traffic);
+  step_collectives.emplace_back(op, u);
+  sample_memory();
+}
+
+void ShardedUnits::reduce(size_t u) {
+  auto& flat = *flats[u];
+  order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
+  flat.reduce_grads(comm(), options.reduction, traffic);
+  step_collectives.emplace_back(OrderCheck::Op::ReduceGrad, u);
+  sample_memory();
+}
+
+void ShardedUnits::begin_forward() {
+  if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kWho));
+  in_forward = true;
+  step_collectives.clear();
+  for (size_t u = 0; u < progress.size(); ++u) progress[u] = Progress{false, flats[u]->params().size(), false};
+  buffers.before_forward(comm());
+  if (root >= 0) {
+    gather(static_cast<size_t>(root), OrderCheck::Op::ForwardGather);
+    // The root's gradients arrive without an output hook announcing them: have the buffer ready.
+    if (torch::GradMode::is_enabled()) flats[static_cast<size_t>(root)]->ensure_grad_buffer();
+  }
+  sample_memory();
+}
+
+torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn) {
+  if (!in_forward) {
+    throw Error(fmt::format("{}: unit('{}') called outside forward_with()", kWho, flats[u]->name()));
+  }
+  gather(u, OrderCheck::Op::ForwardGather);
+  auto output = fn();
+  if (torch::GradMode::is_enabled() && output.requires_grad()) {
+    progress[u].needs_backward = true;
+    // Fires when the gradient of the unit's output is known, before the unit's own backward runs.
+    std::weak_ptr<ShardedUnits> weak = self;
+    output.register_hook([weak, u](const torch::Tensor&) {
+      if (auto units = weak.lock()) units->pre_backward(u);
+    });
+  }
+  if (options.strategy == ShardingStrategy::FullShard) flats[u]->free();
+  return output;
+}
+
+// A torch::nn::Sequential child by child, each unit (a contiguous range of children) gathered around its children.
+torch::Tensor ShardedUnits::run_sequential(const torch::Tensor& input) {
+  auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module);
+  if (!sequential) {
+    throw ConfigError(fmt::format("{}: forward(x) drives a torch::nn::Sequential child by child; for another "
+                                  "module call forward_with(body) and unit(name, fn) around each unit", kWho));
+  }
+  std::vector<int64_t> starts(sequential->size(), -1);  // which unit starts at which child (the root has none)
+  for (size_t u = 0; u < plans.size(); ++u) {
+    if (!plans[u].is_root) starts[plans[u].first_child] = static_cast<int64_t>(u);
+  }
+  auto x = input;
+  const auto& precision = options.mixed_precision;
+  if (precision.param_dtype && x.is_floating_point()) x = x.to(*precision.param_dtype);
+  auto children = sequential->begin();
+  for (size_t i = 0; i < sequential->size();) {
+    if (starts[i] < 0) {
+      x = children[static_cast<int64_t>(i)].forward(x);
+      ++i;
+      continue;
+    }
+    const auto& plan = plans[static_cast<size_t>(starts[i])];
+    x = run_unit(static_cast<size_t>(starts[i]), [&] {
+      for (size_t j = plan.first_child; j <= plan.last_child; ++j) x = children[static_cast<int64_t>(j)].forward(x);
+      return x;
+    });
+    i = plan.last_child + 1;
+  }
+  return x;
+}
+
+void ShardedUnits::end_forward() {
+  in_forward = false;
+  const bool grad = torch::GradMode::is_enabled();
+  // As DDP: whether the coming backward synchronises is decided now, and a forward that will not sync also skips
+  // the buffer broadcast before the next forward.
+  backward_sync = grad && require_backward_sync;
+  buffers.after_forward(backward_sync);
+  if (root >= 0 && grad) progress[static_cast<size_t>(root)].needs_backward = true;
+  if (!grad) free_all();  // no backward will come to free them
+  sample_memory();
+}
+
+void ShardedUnits::start_backward() {
+  if (callback_queued) return;
+  callback_queued = true;
+  std::weak_ptr<ShardedUnits> weak = self;
+  // Runs once the engine has finished this backward, before backward() returns.
+  torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+    if (auto units = weak.lock()) units->finalize_backward();
+  });
+}
+
+void ShardedUnits::pre_backward(size_t u) {
+  start_backward();
+  gather(u, OrderCheck::Op::BackwardGather);  // FULL_SHARD freed it after forward
+  flats[u]->ensure_grad_buffer();
+  sample_memory();
+}
+
+void ShardedUnits::grad_ready(size_t u) {
+  start_backward();
+  auto& p = progress[u];
+  if (p.pending == 0 || p.post_backward_done) {
+    throw DistributedError(fmt::format("{} on rank {}: unit '{}' received a gradient after all of its parameters "
+                                       "had one in this backward; run forward again before another backward",
+                                       kWho, world->rank(), flats[u]->name()));
+  }
+  if (--p.pending == 0) post_backward(u);
+}
+
+void ShardedUnits::post_backward(size_t u) {
+  auto& flat = *flats[u];
+  progress[u].post_backward_done = true;
+  flat.ensure_grad_buffer();
+  sample_memory();  // the unit's peak: gathered parameters and unsharded gradient together
+  if (backward_sync) reduce(u);
+  // FULL_SHARD reshards as soon as the unit's backward is done; the others keep parameters until the end.
+  if (options.strategy == ShardingStrategy::FullShard) flat.free();
+}
+
+void ShardedUnits::finalize_backward() {
+  callback_queued = false;
+  // Units whose forward ran but whose parameters got no gradient on this rank still take part in the reduction
+  // (zeros), in unit order: every rank must issue the same collectives.
+  for (size_t u = 0; u < flats.size(); ++u) {
+    if (progress[u].needs_backward && !progress[u].post_backward_done) post_backward(u);
+  }
+  end_synced_backward();
+}
+
+void ShardedUnits::end_synced_backward() {
+  free_all();
+  if (backward_sync) {
+    order->end_of_synced_backward(comm());
+    last_synced_step = step_collectives;
+  }
+  for (auto& p : progress) p.needs_backward = false;
+  sample_memory();
+}
+
+// A rank without data issues what its last synchronised step issued after the forward's start (begin_forward()
+// already did the root's gather), with zero gradients: the same collectives in the same order as the others.
+void ShardedUnits::join_backward() {
+  if (!backward_sync) {
+    throw ConfigError(fmt::format("{} on rank {}: a step without data needs a synchronised forward (outside "
+                                  "no_sync, with grad enabled)", kWho, world->rank()));
+  }
+  if (!last_synced_step) {
+    throw ConfigError(fmt::format("{} on rank {}: a step without data can be joined only after this rank has run "
+                                  "one synchronised step (its unit collectives are replayed)", kWho, world->rank()));
+  }
+  const auto replay = *last_synced_step;
+  for (size_t i = step_collectives.size(); i < replay.size(); ++i) {
+    const auto [op, u] = replay[i];
+    if (op == OrderCheck::Op::ReduceGrad) {
+      flats[u]->ensure_grad_buffer();  // zeros
+      reduce(u);
+    } else {
+      flats[u]->free();
+      gather(u, op);
+    }
+  }
+  end_synced_backward();
+}
+
+void ShardedUnits::free_all() {
+  for (auto& f : flats) f->free();
+}
+
+void ShardedUnits::build(const std::string& who) {
+  plans = plan_units(*module, options.wrap);
+  // Model and plan must agree on every rank before any unit collective is issued; rank 0's values everywhere,
+  // before the parameters are flattened.
+  std::vector<std::string> lines{
+      fmt::format("strategy {} wrap {}", to_string(options.strategy), options.wrap.to_string())};
+  for (const auto& plan : plans) {
+    lines.push_back(fmt::format("unit {}: {}", plan.name, fmt::join(plan.param_names, ", ")));
+  }
+  buffers = BufferSync(set_up_replica(comm(), who, *module, lines), options.broadcast_buffers);
+  std::vector<std::string> names;
+  for (size_t u = 0; u < plans.size(); ++u) {
+    flats.push_back(std::make_unique<FlatParam>(plans[u], world->rank(), size(), sharded(),
+                                                options.mixed_precision));
+    if (plans[u].is_root) root = static_cast<int64_t>(u);
+    unit_index[plans[u].name] = u;
+    names.push_back(plans[u].name);
+  }
+  progress.resize(flats.size());
+  order = std::make_unique<OrderCheck>(names, options.order_checking);
+  install_hooks();
+  free_all();  // parameters are gathered when a forward needs them
+  sample_memory();
+}
+
+// After flattening: set_data with a new dtype replaces a parameter's gradient accumulator.
+void ShardedUnits::install_hooks() {
+  for (size_t u = 0; u < flats.size(); ++u) {
+    for (const auto& p : flats[u]->params()) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      accumulator->add_post_hook(std::make_unique<GradReadyHook>(self, u));
+      accumulators.push_back(std::move(accumulator));
+    }
+  }
+}
+
+}  // namespace gradsync

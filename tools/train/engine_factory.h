@@ -1,0 +1,27 @@
+// defines: the one place `gradsync train` turns its --strategy and sharding flags into an engine (engine.h); the
+// training loop itself only ever sees the Engine interface.
+#pragma once
+#include <memory>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "gradsync/engine.h"
+#include "gradsync/runtime.h"
+
+namespace gradsync::cli {
+
+struct TrainConfig;
+
+// Checks --wrap, --param-dtype, --reduce-dtype, --accumulate-grads against the strategy and what a sharded
+// strategy cannot do (ConfigError naming the flag). Called by validate() for every strategy.
+void validate_sharding_flags(const TrainConfig& config);
+
+// The engine for config.strategy over `model` (world is null for --strategy local).
+std::unique_ptr<Engine> make_engine(const TrainConfig& config, torch::nn::Sequential model,
+                                    const std::shared_ptr<World>& world);
+
+// For the summary: "fsdp-full: 3 unit(s) (0, 2, 4), largest unit with its gradient 1.2 KiB".
+std::string describe_engine(const TrainConfig& config, Engine& engine);
+
+}  // namespace gradsync::cli

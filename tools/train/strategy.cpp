@@ -1,0 +1,25 @@
+// The strategies of `gradsync train` (see strategy.h).
+#include "train/strategy.h"
+
+namespace gradsync::cli {
+
+const std::map<std::string, Strategy>& strategy_names() {
+  static const std::map<std::string, Strategy> names{
+      {"local", Strategy::Local},          {"ddp", Strategy::Ddp},
+      {"fsdp-full", Strategy::FsdpFull},   {"fsdp-grad-op", Strategy::FsdpGradOp},
+      {"fsdp-no-shard", Strategy::FsdpNoShard}, {"zero1", Strategy::Zero1},
+  };
+  return names;
+}
+
+std::string to_string(Strategy strategy) {
+  for (const auto& [name, value] : strategy_names()) {
+    if (value == strategy) return name;
+  }
+  return "?";
+}
+
+bool is_fsdp(Strategy s) { return s == Strategy::FsdpFull || s == Strategy::FsdpGradOp || s == Strategy::FsdpNoShard; }
+bool is_sharded(Strategy s) { return is_fsdp(s) || s == Strategy::Zero1; }
+
+}  // namespace gradsync::cli

@@ -1,0 +1,82 @@
+// The `gradsync train` command line: every flag, its help, and the callback that runs the job (see train.h).
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "train/train.h"
+
+namespace gradsync::cli {
+namespace {
+
+// This process's arguments after the program name, verbatim: the ranks re-run the same command.
+std::vector<std::string> own_arguments() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::vector<std::string> args;
+  std::string arg;
+  while (std::getline(in, arg, '\0')) args.push_back(arg);
+  if (!args.empty()) args.erase(args.begin());
+  return args;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& root, int& exit_code) {
+  auto config = std::make_shared<TrainConfig>();
+  auto* cmd = root.add_subcommand("train", "Train a model locally or data-parallel (the PyTorch DDP recipe, in C++)");
+  auto& c = *config;
+  cmd->add_option("--model", c.model, "mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT (Linear, BatchNorm1d, ReLU per hidden layer)")
+      ->required();
+  cmd->add_option("--data", c.data, "fashion-mnist, synthetic:N, or a file from torch.save({'inputs': X, 'targets': Y})")
+      ->required();
+  cmd->add_option("--global-batch", c.global_batch, "samples per optimizer step over all ranks and micro-steps")
+      ->required();
+  cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)");
+  cmd->add_option("--world-size", c.world_size, "ranks; without a launcher, train starts them itself");
+  cmd->add_option("--strategy", c.strategy,
+                  "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
+                  "fsdp-no-shard or zero1 (see docs/sharding.md)")
+      ->transform(CLI::CheckedTransformer(strategy_names(), CLI::ignore_case).description(""));
+  cmd->add_option("--optimizer", c.optimizer, "sgd or adam");
+  cmd->add_option("--lr", c.lr, "learning rate (default 0.01 for sgd, 1e-3 for adam)");
+  cmd->add_option("--momentum", c.momentum, "sgd momentum (default 0)");
+  cmd->add_option("--weight-decay", c.weight_decay, "L2 weight decay (default 0)");
+  cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse");
+  cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples");
+  cmd->add_option("--reduction", c.reduction,
+                  "mean (PyTorch DDP: 1/N of the sum), sum, or global-mean (1/T of the sum of per-sample gradients, "
+                  "T = samples in the step over all ranks and micro-batches)");
+  auto* steps = cmd->add_option("--steps", c.steps, "optimizer steps in total (crossing epochs)");
+  auto* epochs = cmd->add_option("--epochs", c.epochs, "whole epochs (default 1)");
+  steps->excludes(epochs);
+  cmd->add_option("--seed", c.seed, "seed of the model, the sampler and synthetic data (default 0)");
+  cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "shuffle every epoch (default) or not");
+  cmd->add_flag("--no-pad", c.no_pad, "every sample exactly once per epoch (ranks may get uneven counts, even 0)");
+  cmd->add_option("--replay-ranks", c.replay_ranks,
+                  "with --strategy local: train one process on exactly the global batches of N ranks (a reference)");
+  cmd->add_option("--verify-every", c.verify_every,
+                  "every S steps: recompute the step's gradient in one process on rank 0 and compare; check that all "
+                  "ranks hold identical parameters (off by default; costs one extra forward/backward of the global "
+                  "batch on rank 0)");
+  cmd->add_option("--inject-fault", c.inject_fault, "tests only: grad@STEP or diverge@STEP")->group("");
+  cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(dict(model.state_dict()), FILE)");
+  cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
+  cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
+  cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)");
+  cmd->add_flag("--quiet", c.quiet, "no summary line");
+  cmd->add_option("--wrap", c.wrap, "fsdp-*: units: children (default), params:N (consecutive children until N "
+                  "parameters) or list:A,B (named children; the rest form the root unit)");
+  cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
+  cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
+  cmd->add_option("--accumulate-grads", c.accumulate_grads,
+                  "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
+                  "(reduce-scatter every micro-step, gradient memory stays 1/N)");
+  cmd->add_flag("--report-memory", c.report_memory,
+                "memory (parameters, gradients, optimizer state) and bytes sent per rank in the log and summary "
+                "(always on for sharded strategies)");
+  cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });
+}
+
+}  // namespace gradsync::cli
