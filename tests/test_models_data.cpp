@@ -24,6 +24,7 @@
 
 #include "data/data.h"
 #include "data/models.h"
+#include "gradsync/error.h"
 
 namespace {
 
@@ -265,11 +266,11 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
   };
   for (const auto& c : cases) {
     SCOPED_TRACE("spec '" + c.spec + "'");
-    const std::string msg = error_of<std::invalid_argument>([&] { make_model(c.spec); });
+    const std::string msg = error_of<gradsync::ConfigError>([&] { make_model(c.spec); });
     EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
     EXPECT_NE(msg.find("expected mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT"), std::string::npos) << msg;
-    error_of<std::invalid_argument>([&] { gradsync::cli::model_input_size(c.spec); });
-    error_of<std::invalid_argument>([&] { gradsync::cli::model_output_size(c.spec); });
+    error_of<gradsync::ConfigError>([&] { gradsync::cli::model_input_size(c.spec); });
+    error_of<gradsync::ConfigError>([&] { gradsync::cli::model_output_size(c.spec); });
   }
 }
 
@@ -353,17 +354,17 @@ TEST(Dataset, BadSpecsNameTheProblem) {
   for (const auto& c : cases) {
     SCOPED_TRACE("spec '" + c.spec + "'");
     const std::string msg =
-        error_of<std::invalid_argument>([&] { load_dataset(c.spec, 784, 10, LossKind::CrossEntropy, 0); });
+        error_of<gradsync::ConfigError>([&] { load_dataset(c.spec, 784, 10, LossKind::CrossEntropy, 0); });
     EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
   }
-  std::string msg = error_of<std::invalid_argument>(
+  std::string msg = error_of<gradsync::ConfigError>(
       [] { load_dataset("fashion-mnist", 100, 10, LossKind::CrossEntropy, 0); });
   EXPECT_NE(msg.find("784 inputs"), std::string::npos) << msg;
   EXPECT_NE(msg.find("the model takes 100"), std::string::npos) << msg;
-  msg = error_of<std::invalid_argument>(
+  msg = error_of<gradsync::ConfigError>(
       [] { load_dataset("fashion-mnist:test", 784, 3, LossKind::MeanSquared, 0); });
   EXPECT_NE(msg.find("10 classes but the model has 3 outputs"), std::string::npos) << msg;
-  msg = error_of<std::invalid_argument>([] { gradsync::cli::parse_loss_kind("l1"); });
+  msg = error_of<gradsync::ConfigError>([] { gradsync::cli::parse_loss_kind("l1"); });
   EXPECT_NE(msg.find("loss 'l1' is unknown; expected ce"), std::string::npos) << msg;
   EXPECT_EQ(gradsync::cli::parse_loss_kind("ce"), LossKind::CrossEntropy);
   EXPECT_EQ(gradsync::cli::parse_loss_kind("mse"), LossKind::MeanSquared);
@@ -616,7 +617,7 @@ TEST(Dataset, TorchSaveFileErrorsNameTheFileTheValueAndWhatIsAllowed) {
   struct Case {
     std::string file;
     LossKind loss;
-    bool invalid_argument;  // else runtime_error
+    bool config_error;  // else any std::runtime_error
     std::vector<std::string> parts;
   };
   const auto CE = LossKind::CrossEntropy;
@@ -653,7 +654,7 @@ TEST(Dataset, TorchSaveFileErrorsNameTheFileTheValueAndWhatIsAllowed) {
     SCOPED_TRACE("file '" + path + "'");
     auto load = [&] { load_dataset(path, 6, 4, c.loss, 0); };
     const std::string msg =
-        c.invalid_argument ? error_of<std::invalid_argument>(load) : error_of<std::runtime_error>(load);
+        c.config_error ? error_of<gradsync::ConfigError>(load) : error_of<std::runtime_error>(load);
     EXPECT_NE(msg.find(path), std::string::npos) << "path missing in: " << msg;
     for (const auto& part : c.parts) {
       EXPECT_NE(msg.find(part), std::string::npos) << "missing '" << part << "' in: " << msg;

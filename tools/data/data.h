@@ -6,6 +6,11 @@
 //   synthetic:N                  N random rows, reproducible from the seed and bit-identical to the Python
 //                                recipe documented at load_synthetic().
 //   PATH                         a file written by Python torch.save({"inputs": X, "targets": Y}, PATH).
+//
+// Errors: gradsync::ConfigError for bad input (a bad spec, a missing, unreadable or corrupt file, wrong
+// shapes/dtypes/values), gradsync::Error for other failures (a read error, zlib out of memory); each message
+// names the spec or path, the offending value and what is allowed. One file per loader: data.cpp (the specs),
+// fashion_mnist.cpp, synthetic.cpp, torch_save_file.cpp.
 #pragma once
 #include <torch/torch.h>
 
@@ -22,14 +27,18 @@ struct Dataset {
 
 enum class LossKind { CrossEntropy, MeanSquared };
 
-// "ce" / "cross-entropy" -> CrossEntropy, "mse" -> MeanSquared; anything else throws std::invalid_argument.
+// Fashion-MNIST's shape: 28x28 grey pixels, i.e. 784 inputs per example, and 10 classes.
+constexpr int64_t kFashionMnistSide = 28;
+constexpr int64_t kFashionMnistInputs = kFashionMnistSide * kFashionMnistSide;
+constexpr int64_t kFashionMnistClasses = 10;
+
+// "ce" / "cross-entropy" -> CrossEntropy, "mse" -> MeanSquared; anything else throws gradsync::ConfigError.
 LossKind parse_loss_kind(const std::string& name);
 // "ce" or "mse" (the canonical CLI spelling).
 const char* loss_kind_name(LossKind loss);
 
 // Loads the data set named by `spec` (see above) for a model with `input_size` inputs and `output_size`
-// outputs. Throws std::invalid_argument (bad spec, wrong shapes/dtypes/values) or std::runtime_error (file
-// missing, unreadable or corrupt), each naming the spec or path, the offending value and what is allowed.
+// outputs. Throws as described at the top of this file.
 Dataset load_dataset(const std::string& spec, int64_t input_size, int64_t output_size, LossKind loss,
                      uint64_t seed);
 

@@ -4,7 +4,8 @@
 #include <fmt/format.h>
 
 #include <limits>
-#include <stdexcept>
+
+#include "gradsync/error.h"
 
 namespace gradsync::cli {
 namespace {
@@ -12,7 +13,7 @@ namespace {
 constexpr const char* kAllowedSpecs = "expected mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT";
 
 [[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
-  throw std::invalid_argument(fmt::format("model spec '{}': {}; {}", spec, why, kAllowedSpecs));
+  throw ConfigError(fmt::format("model spec '{}': {}; {}", spec, why, kAllowedSpecs));
 }
 
 // Strictly digits, no sign, no whitespace, > 0, fits in int64.
@@ -66,8 +67,8 @@ ModelSpec parse_model_spec(const std::string& spec) {
 
 torch::nn::Sequential make_model(const ModelSpec& spec) {
   if (spec.sizes.size() < 2) {
-    throw std::invalid_argument(fmt::format(
-        "model spec has {} layer sizes, need at least two (input and output)", spec.sizes.size()));
+    throw ConfigError(
+        fmt::format("model spec has {} layer sizes, need at least two (input and output)", spec.sizes.size()));
   }
   torch::nn::Sequential model;
   const std::size_t layers = spec.sizes.size() - 1;

@@ -20,7 +20,7 @@ struct ModelSpec {
 };
 
 // Parses "mlp:IN-H1-...-OUT" or "mlp-bn:IN-H1-...-OUT".
-// Throws std::invalid_argument naming the spec, the offending part and what is allowed.
+// Throws gradsync::ConfigError naming the spec, the offending part and what is allowed.
 ModelSpec parse_model_spec(const std::string& spec);
 
 // mlp:    Linear(IN,H1), ReLU, Linear(H1,H2), ReLU, ..., Linear(Hk,OUT)

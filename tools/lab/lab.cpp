@@ -1,12 +1,14 @@
 // `gradsync lab`: "do data-parallel gradients sum or average?" answered with measurements (see lab.h). The
 // command prepares one initial model state and one global batch, runs the experiments in order, starts the
 // DDP ranks itself (launch() re-running this executable as `gradsync lab-rank`), then writes the report.
-// Progress goes to stderr; stdout carries the table, or with --json one JSON document.
+// Progress goes to stderr; stdout carries the table, or with --json one JSON document, printed after the last
+// progress line and flushed before the done line (print_answer), so the two streams never interleave.
 #include <stdlib.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <set>
 
@@ -135,6 +137,22 @@ bool conclusive(const LabResults& r) {
   return ok;
 }
 
+// The answer (the table and the text, or the JSON document) on stdout in one piece. stderr is unbuffered but
+// stdout is fully buffered when it is a pipe or a file, so without the flushes a `2>&1` capture would show the
+// next progress line inside the answer: everything on stderr is out before the answer starts, and the answer is
+// out before anything else goes to stderr.
+void print_answer(const LabResults& results) {
+  const LabConfig& c = results.config;
+  std::fflush(stderr);
+  if (c.json) {
+    fmt::print("{}\n", to_json(results).dump(2));
+  } else {
+    fmt::print("{}\n{}\n\n{}\n\nreport, raw numbers and plots: {}/report.md\n", format_table(results),
+               answer_text(results, "en"), answer_text(results, "ko"), c.out_dir);
+  }
+  std::fflush(stdout);
+}
+
 struct LabCli {
   std::string out_dir = "lab-report";
   bool quick = false;
@@ -172,13 +190,9 @@ int run_lab(const LabCli& cli) {
   write_report(results);
   if (!results.plots.rendered) fmt::print(stderr, "[lab] plots: {}\n", results.plots.message);
 
-  if (c.json) {
-    fmt::print("{}\n", to_json(results).dump(2));
-  } else {
-    fmt::print("{}\n{}\n\n{}\n\nreport, raw numbers and plots: {}/report.md\n", format_table(results),
-               answer_text(results, "en"), answer_text(results, "ko"), c.out_dir);
-  }
+  print_answer(results);
   fmt::print(stderr, "[lab] done in {:.0f} s\n", results.seconds);
+  std::fflush(stderr);
   if (!conclusive(results)) {
     fmt::print(stderr, "gradsync lab: a measurement matched neither hypothesis within {:g} (see the table)\n",
                c.tolerance);

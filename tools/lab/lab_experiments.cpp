@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <tuple>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -211,51 +212,88 @@ AccumulationResult run_accumulation(const LabConfig& lab, const std::string& ini
 
 // ---- DDP: the ranks' gradients against one process ---------------------------------------------------------
 
-DdpResult analyse_ddp(const LabConfig& lab, int n, const std::string& rank_dir, const std::string& init_state,
-                      const std::string& batch_file, UnevenResult* uneven) {
-  DdpResult d;
-  d.world_size = n;
-  d.global_batch = usable_batch(lab.ddp_batch, n);
-  auto model = lab_model(lab.model, init_state);
-  auto [x, y] = read_batch(batch_file, d.global_batch);
+namespace {
 
-  // The single-process references: the gradient of the mean loss over the whole global batch, and the sum
-  // of the per-rank mean gradients (what a SUM allreduce without the 1/N would leave).
-  const auto mean = mean_loss_gradient(model, x, y);
-  const auto even = even_split(d.global_batch, n);
-  const auto shards = shard_gradients(model, x, y, even);
-  const auto sum = sum_of(shards);
-  d.mean_max_abs = mean.abs().max().item<double>();
+// The single-process side of one DDP comparison: the model and global batch the ranks started from, and the
+// gradients this process computes from them.
+struct Reference {
+  torch::nn::Sequential model;
+  torch::Tensor x, y;                 // the global batch
+  torch::Tensor mean;                 // gradient of the mean loss over the whole global batch
+  std::vector<torch::Tensor> shards;  // each rank's mean-loss gradient on the even split
+  torch::Tensor sum;                  // the sum of `shards`: what a SUM allreduce without the 1/N would leave
+};
 
-  // The probe: the first element of the last parameter (the output layer's bias), shown rank by rank.
-  const auto named = model->named_parameters();
-  const auto last = named.pairs().back();
-  const int64_t probe = mean.numel() - last.second.numel();
-  d.probe_name = fmt::format("{}[0]", last.first);
-  d.probe_mean = mean[probe].item<double>();
-  d.probe_sum = sum[probe].item<double>();
+Reference single_process_reference(const LabConfig& lab, int n, int64_t global_batch, const std::string& init_state,
+                                   const std::string& batch_file) {
+  Reference ref;
+  ref.model = lab_model(lab.model, init_state);
+  std::tie(ref.x, ref.y) = read_batch(batch_file, global_batch);
+  ref.mean = mean_loss_gradient(ref.model, ref.x, ref.y);
+  ref.shards = shard_gradients(ref.model, ref.x, ref.y, even_split(global_batch, n));
+  ref.sum = sum_of(ref.shards);
+  return ref;
+}
 
+// What the ranks of one run wrote into `dir`: rank r's gradients (states[r], rank<r>.pt) and measurements
+// (rank<r>.json).
+struct RankFiles {
+  std::string dir;
   std::vector<StateDict> states;
-  for (int r = 0; r < n; ++r) {
-    const auto path = lab_rank_tensors(rank_dir, r);
-    states.push_back(load_state_dict(path));
-    const auto meta = read_json(lab_rank_json(rank_dir, r));
-    const auto local = find_tensor(states.back(), "even.local", path);
-    const auto synced = find_tensor(states.back(), "even.synced", path);
-    const auto synced0 = find_tensor(states.front(), "even.synced", lab_rank_tensors(rank_dir, 0));
-    RankGradients g;
-    g.rank = r;
-    g.samples = meta.at("even_samples").get<int64_t>();
-    g.local_to_shard = max_abs_diff(local, shards[static_cast<size_t>(r)]);
-    g.local_to_mean = max_abs_diff(local, mean);
-    g.local_norm = local.norm().item<double>();
-    g.synced_to_mean = max_abs_diff(synced, mean);
-    g.synced_to_sum = max_abs_diff(synced, sum);
-    g.synced_to_rank0 = max_abs_diff(synced, synced0);
-    g.local_probe = local[probe].item<double>();
-    g.synced_probe = synced[probe].item<double>();
-    d.ranks.push_back(g);
+
+  torch::Tensor tensor(int rank, const std::string& key) const {
+    return find_tensor(states[static_cast<size_t>(rank)], key, lab_rank_tensors(dir, rank));
   }
+  nlohmann::json meta(int rank) const { return read_json(lab_rank_json(dir, rank)); }
+};
+
+// The probe: the first element of the last parameter (the output layer's bias), shown rank by rank. Fills the
+// probe fields of `d`; returns the element's index in the flat gradient.
+int64_t choose_probe(DdpResult& d, const Reference& ref) {
+  const auto named = ref.model->named_parameters();
+  const auto last = named.pairs().back();
+  const int64_t probe = ref.mean.numel() - last.second.numel();
+  d.probe_name = fmt::format("{}[0]", last.first);
+  d.probe_mean = ref.mean[probe].item<double>();
+  d.probe_sum = ref.sum[probe].item<double>();
+  return probe;
+}
+
+// Rank r's gradient on the even split before and after sync, against the references and rank 0.
+RankGradients rank_gradients(const RankFiles& files, int r, const Reference& ref, int64_t probe) {
+  const auto meta = files.meta(r);
+  const auto local = files.tensor(r, "even.local");
+  const auto synced = files.tensor(r, "even.synced");
+  const auto synced0 = files.tensor(0, "even.synced");
+  RankGradients g;
+  g.rank = r;
+  g.samples = meta.at("even_samples").get<int64_t>();
+  g.local_to_shard = max_abs_diff(local, ref.shards[static_cast<size_t>(r)]);
+  g.local_to_mean = max_abs_diff(local, ref.mean);
+  g.local_norm = local.norm().item<double>();
+  g.synced_to_mean = max_abs_diff(synced, ref.mean);
+  g.synced_to_sum = max_abs_diff(synced, ref.sum);
+  g.synced_to_rank0 = max_abs_diff(synced, synced0);
+  g.local_probe = local[probe].item<double>();
+  g.synced_probe = synced[probe].item<double>();
+  return g;
+}
+
+struct Verdict {
+  std::string verdict;  // "mean", "sum" or "neither"
+  std::string note;
+};
+
+// The rule every DDP and FSDP row is judged by: every rank must hold the same gradient (`between` < tol); then
+// the largest distance over the ranks to the mean (`to_mean`) and the smallest to the sum (`to_sum`) decide. One
+// rank: the sum of one gradient is that gradient, so no measurement can tell sum from mean there.
+Verdict mean_or_sum(int n, double to_mean, double to_sum, double between, double tol, const char* disagree_note) {
+  if (n == 1) return {to_mean < tol ? "mean" : "neither", "N=1: sum = mean"};
+  if (between >= tol) return {"neither", disagree_note};
+  return {decide(to_mean, to_sum, tol, "mean", "sum", "neither"), ""};
+}
+
+void judge_ddp(DdpResult& d, double tol) {
   // Both conditions must hold on every rank: the largest distance to the hypothesis it matches, the smallest
   // to the one it must not match.
   d.to_sum = INFINITY;
@@ -264,72 +302,90 @@ DdpResult analyse_ddp(const LabConfig& lab, int n, const std::string& rank_dir, 
     d.to_sum = std::min(d.to_sum, g.synced_to_sum);
     d.between_ranks = std::max(d.between_ranks, g.synced_to_rank0);
   }
-  if (n == 1) {
-    // One rank: the sum of one gradient is that gradient, so no measurement can tell sum from mean here.
-    d.verdict = d.to_mean < lab.tolerance ? "mean" : "neither";
-    d.note = "N=1: sum = mean";
-  } else {
-    d.verdict = d.between_ranks < lab.tolerance
-                    ? decide(d.to_mean, d.to_sum, lab.tolerance, "mean", "sum", "neither")
-                    : "neither";
-    if (d.between_ranks >= lab.tolerance) d.note = "ranks disagree after sync";
-  }
+  auto v = mean_or_sum(d.world_size, d.to_mean, d.to_sum, d.between_ranks, tol, "ranks disagree after sync");
+  d.verdict = std::move(v.verdict);
+  d.note = std::move(v.note);
+}
 
-  // FSDP (FullShard) on the same even shares, judged by the same rule.
+// FSDP (FullShard) on the same even shares, judged by the same rule.
+void judge_fsdp(DdpResult& d, const RankFiles& files, const Reference& ref, double tol) {
   d.fsdp_to_sum = INFINITY;
-  const auto fsdp0 = find_tensor(states.front(), "even.fsdp_full", lab_rank_tensors(rank_dir, 0));
-  for (int r = 0; r < n; ++r) {
-    const auto fsdp = find_tensor(states[static_cast<size_t>(r)], "even.fsdp_full", lab_rank_tensors(rank_dir, r));
-    d.fsdp_to_mean = std::max(d.fsdp_to_mean, max_abs_diff(fsdp, mean));
-    d.fsdp_to_sum = std::min(d.fsdp_to_sum, max_abs_diff(fsdp, sum));
+  const auto fsdp0 = files.tensor(0, "even.fsdp_full");
+  for (int r = 0; r < d.world_size; ++r) {
+    const auto fsdp = files.tensor(r, "even.fsdp_full");
+    d.fsdp_to_mean = std::max(d.fsdp_to_mean, max_abs_diff(fsdp, ref.mean));
+    d.fsdp_to_sum = std::min(d.fsdp_to_sum, max_abs_diff(fsdp, ref.sum));
     d.fsdp_between_ranks = std::max(d.fsdp_between_ranks, max_abs_diff(fsdp, fsdp0));
   }
-  if (n == 1) {
-    d.fsdp_verdict = d.fsdp_to_mean < lab.tolerance ? "mean" : "neither";
-    d.fsdp_note = "N=1: sum = mean";
-  } else {
-    d.fsdp_verdict = d.fsdp_between_ranks < lab.tolerance
-                         ? decide(d.fsdp_to_mean, d.fsdp_to_sum, lab.tolerance, "mean", "sum", "neither")
+  auto v = mean_or_sum(d.world_size, d.fsdp_to_mean, d.fsdp_to_sum, d.fsdp_between_ranks, tol,
+                       "ranks disagree after the step");
+  d.fsdp_verdict = std::move(v.verdict);
+  d.fsdp_note = std::move(v.note);
+}
+
+// Reduction::Mean on shares proportional to rank+1: the mean of the per-rank means (`means`), not the mean
+// over all samples (`mean`).
+void judge_uneven_mean(UnevenResult& u, const RankFiles& files, const torch::Tensor& mean, const torch::Tensor& means,
+                       double tol) {
+  u.to_mean_of_means = 0;
+  u.to_global_mean = INFINITY;
+  for (int r = 0; r < u.world_size; ++r) {
+    const auto synced = files.tensor(r, "uneven.synced");
+    u.to_mean_of_means = std::max(u.to_mean_of_means, max_abs_diff(synced, means));
+    u.to_global_mean = std::min(u.to_global_mean, max_abs_diff(synced, mean));
+  }
+  u.verdict = decide(u.to_mean_of_means, u.to_global_mean, tol, "mean of per-rank means", "sample mean", "neither");
+}
+
+// Reduction::GlobalMean on the same shares: the hypotheses swap places.
+void judge_uneven_global_mean(UnevenResult& u, const RankFiles& files, const torch::Tensor& mean,
+                              const torch::Tensor& means, int64_t global_batch, double tol) {
+  u.global_to_mean_of_means = INFINITY;
+  const auto global0 = files.tensor(0, "uneven.global_mean");
+  bool counts_agree = true;
+  for (int r = 0; r < u.world_size; ++r) {
+    const auto synced = files.tensor(r, "uneven.global_mean");
+    u.global_to_sample_mean = std::max(u.global_to_sample_mean, max_abs_diff(synced, mean));
+    u.global_to_mean_of_means = std::min(u.global_to_mean_of_means, max_abs_diff(synced, means));
+    u.global_between_ranks = std::max(u.global_between_ranks, max_abs_diff(synced, global0));
+    const auto items = files.meta(r).at("uneven_global_mean_items").get<int64_t>();
+    if (r == 0) u.global_items = items;
+    counts_agree = counts_agree && items == u.global_items;
+  }
+  // Every rank must hold the same gradient and have divided by the whole global batch.
+  u.global_verdict = counts_agree && u.global_items == global_batch && u.global_between_ranks < tol
+                         ? decide(u.global_to_sample_mean, u.global_to_mean_of_means, tol, "sample mean",
+                                  "mean of per-rank means", "neither")
                          : "neither";
-    if (d.fsdp_between_ranks >= lab.tolerance) d.fsdp_note = "ranks disagree after the step";
-  }
+}
 
-  if (uneven && n >= 2) {
-    UnevenResult& u = *uneven;
-    u.world_size = n;
-    u.samples = uneven_split(d.global_batch, n);
-    auto means = sum_of(shard_gradients(model, x, y, u.samples)) / static_cast<double>(n);
-    u.to_mean_of_means = 0;
-    u.to_global_mean = INFINITY;
-    for (int r = 0; r < n; ++r) {
-      const auto& state = states[static_cast<size_t>(r)];
-      const auto synced = find_tensor(state, "uneven.synced", lab_rank_tensors(rank_dir, r));
-      u.to_mean_of_means = std::max(u.to_mean_of_means, max_abs_diff(synced, means));
-      u.to_global_mean = std::min(u.to_global_mean, max_abs_diff(synced, mean));
-    }
-    u.verdict = decide(u.to_mean_of_means, u.to_global_mean, lab.tolerance, "mean of per-rank means",
-                       "sample mean", "neither");
+void analyse_uneven(UnevenResult& u, int n, int64_t global_batch, const RankFiles& files, Reference& ref,
+                    double tol) {
+  u.world_size = n;
+  u.samples = uneven_split(global_batch, n);
+  const auto means = sum_of(shard_gradients(ref.model, ref.x, ref.y, u.samples)) / static_cast<double>(n);
+  judge_uneven_mean(u, files, ref.mean, means, tol);
+  judge_uneven_global_mean(u, files, ref.mean, means, global_batch, tol);
+}
 
-    // Reduction::GlobalMean on the same shares: the hypotheses swap places.
-    u.global_to_mean_of_means = INFINITY;
-    const auto global0 = find_tensor(states.front(), "uneven.global_mean", lab_rank_tensors(rank_dir, 0));
-    bool counts_agree = true;
-    for (int r = 0; r < n; ++r) {
-      const auto path = lab_rank_tensors(rank_dir, r);
-      const auto synced = find_tensor(states[static_cast<size_t>(r)], "uneven.global_mean", path);
-      u.global_to_sample_mean = std::max(u.global_to_sample_mean, max_abs_diff(synced, mean));
-      u.global_to_mean_of_means = std::min(u.global_to_mean_of_means, max_abs_diff(synced, means));
-      u.global_between_ranks = std::max(u.global_between_ranks, max_abs_diff(synced, global0));
-      const auto items = read_json(lab_rank_json(rank_dir, r)).at("uneven_global_mean_items").get<int64_t>();
-      if (r == 0) u.global_items = items;
-      counts_agree = counts_agree && items == u.global_items;
-    }
-    // Every rank must hold the same gradient and have divided by the whole global batch.
-    u.global_verdict = counts_agree && u.global_items == d.global_batch && u.global_between_ranks < lab.tolerance
-                           ? decide(u.global_to_sample_mean, u.global_to_mean_of_means, lab.tolerance,
-                                    "sample mean", "mean of per-rank means", "neither")
-                           : "neither";
+}  // namespace
+
+DdpResult analyse_ddp(const LabConfig& lab, int n, const std::string& rank_dir, const std::string& init_state,
+                      const std::string& batch_file, UnevenResult* uneven) {
+  DdpResult d;
+  d.world_size = n;
+  d.global_batch = usable_batch(lab.ddp_batch, n);
+  Reference ref = single_process_reference(lab, n, d.global_batch, init_state, batch_file);
+  d.mean_max_abs = ref.mean.abs().max().item<double>();
+  const int64_t probe = choose_probe(d, ref);
+  RankFiles files{rank_dir, {}};
+  for (int r = 0; r < n; ++r) {
+    files.states.push_back(load_state_dict(lab_rank_tensors(rank_dir, r)));
+    d.ranks.push_back(rank_gradients(files, r, ref, probe));
   }
+  judge_ddp(d, lab.tolerance);
+  judge_fsdp(d, files, ref, lab.tolerance);
+  if (uneven && n >= 2) analyse_uneven(*uneven, n, d.global_batch, files, ref, lab.tolerance);
   return d;
 }
 

@@ -277,60 +277,88 @@ std::string format_table(const LabResults& r) {
   return text;
 }
 
+namespace {
+
+using json = nlohmann::ordered_json;
+
+json loss_json(const LossResult& loss) {
+  json runs = json::array();
+  for (const auto& run : loss.runs) {
+    runs.push_back({{"batch", run.batch}, {"step0_loss", run.step0_mean()}, {"step0_loss_sum", run.step0_sum},
+                    {"sum_over_mean", run.sum_over_mean()}, {"final_loss", run.final_loss()},
+                    {"losses", run.losses}, {"seconds", run.seconds}});
+  }
+  return {{"steps", loss.steps}, {"optimizer", "sgd"}, {"lr", loss.lr}, {"step0_spread", loss.step0_spread},
+          {"sum_over_mean_error", loss.ratio_error}, {"verdict", loss.verdict}, {"runs", runs}};
+}
+
+json accumulation_json(const AccumulationResult& a) {
+  return {{"micro_batches", a.micro_batches}, {"micro_batch", a.micro_batch},
+          {"full_batch_norm", a.full_norm}, {"raw_norm", a.raw_norm}, {"raw_ratio", a.raw_ratio},
+          {"raw_max_abs_diff_to_sum", a.raw_to_sum}, {"raw_max_abs_diff_to_mean", a.raw_to_mean},
+          {"scaled_max_abs_diff_to_mean", a.scaled_to_mean}, {"raw_verdict", a.raw_verdict},
+          {"scaled_verdict", a.scaled_verdict}, {"seconds", a.seconds}};
+}
+
+json rank_json(const RankGradients& g) {
+  return {{"rank", g.rank},
+          {"samples", g.samples},
+          {"before_sync", {{"max_abs_diff_to_mean", g.local_to_mean},
+                           {"max_abs_diff_to_own_shard", g.local_to_shard},
+                           {"norm", g.local_norm},
+                           {"probe", g.local_probe}}},
+          {"after_sync", {{"max_abs_diff_to_mean", g.synced_to_mean},
+                          {"max_abs_diff_to_sum", g.synced_to_sum},
+                          {"max_abs_diff_to_rank0", g.synced_to_rank0},
+                          {"probe", g.synced_probe}}}};
+}
+
+json ddp_json(const DdpResult& d) {
+  json ranks = json::array();
+  for (const auto& g : d.ranks) ranks.push_back(rank_json(g));
+  return {{"world_size", d.world_size}, {"global_batch", d.global_batch},
+          {"samples_per_rank", d.global_batch / d.world_size}, {"max_abs_diff_to_mean", d.to_mean},
+          {"max_abs_diff_to_sum", d.to_sum}, {"max_abs_diff_between_ranks", d.between_ranks},
+          {"mean_gradient_max_abs", d.mean_max_abs}, {"verdict", d.verdict}, {"note", d.note},
+          {"probe", {{"parameter", d.probe_name}, {"mean", d.probe_mean}, {"sum", d.probe_sum}}},
+          {"ranks", ranks}, {"seconds", d.seconds}};
+}
+
+json uneven_json(const UnevenResult& u) {
+  return {{"world_size", u.world_size}, {"samples", u.samples},
+          {"max_abs_diff_to_mean_of_rank_means", u.to_mean_of_means},
+          {"max_abs_diff_to_sample_mean", u.to_global_mean}, {"verdict", u.verdict},
+          {"sample_weighted_reduction", "measured: global_mean (Reduction::GlobalMean)"},
+          {"global_mean", {{"reduction", "global-mean"},
+                           {"max_abs_diff_to_sample_mean", u.global_to_sample_mean},
+                           {"max_abs_diff_to_mean_of_rank_means", u.global_to_mean_of_means},
+                           {"max_abs_diff_between_ranks", u.global_between_ranks},
+                           {"total_items", u.global_items},
+                           {"verdict", u.global_verdict}}}};
+}
+
+// The FSDP (full shard) half of a DdpResult.
+json sharded_json(const DdpResult& d) {
+  return {{"world_size", d.world_size}, {"strategy", "full_shard"}, {"global_batch", d.global_batch},
+          {"samples_per_rank", d.global_batch / d.world_size},
+          {"measured", "initial - updated parameters after one SGD step (lr 1), full_state_dict"},
+          {"max_abs_diff_to_mean", d.fsdp_to_mean}, {"max_abs_diff_to_sum", d.fsdp_to_sum},
+          {"max_abs_diff_between_ranks", d.fsdp_between_ranks}, {"verdict", d.fsdp_verdict},
+          {"note", d.fsdp_note}};
+}
+
+// One JSON array: convert(result) for each result, in order.
+template <class Result, class Convert>
+json json_array(const std::vector<Result>& results, Convert convert) {
+  json out = json::array();
+  for (const auto& result : results) out.push_back(convert(result));
+  return out;
+}
+
+}  // namespace
+
 nlohmann::ordered_json to_json(const LabResults& r) {
-  using json = nlohmann::ordered_json;
   const auto& c = r.config;
-  json loss_runs = json::array();
-  for (const auto& run : r.loss.runs) {
-    loss_runs.push_back({{"batch", run.batch}, {"step0_loss", run.step0_mean()}, {"step0_loss_sum", run.step0_sum},
-                         {"sum_over_mean", run.sum_over_mean()}, {"final_loss", run.final_loss()},
-                         {"losses", run.losses}, {"seconds", run.seconds}});
-  }
-  const auto& a = r.accumulation;
-  json ddp = json::array();
-  for (const auto& d : r.ddp) {
-    json ranks = json::array();
-    for (const auto& g : d.ranks) {
-      ranks.push_back({{"rank", g.rank},
-                       {"samples", g.samples},
-                       {"before_sync", {{"max_abs_diff_to_mean", g.local_to_mean},
-                                        {"max_abs_diff_to_own_shard", g.local_to_shard},
-                                        {"norm", g.local_norm},
-                                        {"probe", g.local_probe}}},
-                       {"after_sync", {{"max_abs_diff_to_mean", g.synced_to_mean},
-                                       {"max_abs_diff_to_sum", g.synced_to_sum},
-                                       {"max_abs_diff_to_rank0", g.synced_to_rank0},
-                                       {"probe", g.synced_probe}}}});
-    }
-    ddp.push_back({{"world_size", d.world_size}, {"global_batch", d.global_batch},
-                   {"samples_per_rank", d.global_batch / d.world_size}, {"max_abs_diff_to_mean", d.to_mean},
-                   {"max_abs_diff_to_sum", d.to_sum}, {"max_abs_diff_between_ranks", d.between_ranks},
-                   {"mean_gradient_max_abs", d.mean_max_abs}, {"verdict", d.verdict}, {"note", d.note},
-                   {"probe", {{"parameter", d.probe_name}, {"mean", d.probe_mean}, {"sum", d.probe_sum}}},
-                   {"ranks", ranks}, {"seconds", d.seconds}});
-  }
-  json uneven = json::array();
-  for (const auto& u : r.uneven) {
-    uneven.push_back({{"world_size", u.world_size}, {"samples", u.samples},
-                      {"max_abs_diff_to_mean_of_rank_means", u.to_mean_of_means},
-                      {"max_abs_diff_to_sample_mean", u.to_global_mean}, {"verdict", u.verdict},
-                      {"sample_weighted_reduction", "measured: global_mean (Reduction::GlobalMean)"},
-                      {"global_mean", {{"reduction", "global-mean"},
-                                       {"max_abs_diff_to_sample_mean", u.global_to_sample_mean},
-                                       {"max_abs_diff_to_mean_of_rank_means", u.global_to_mean_of_means},
-                                       {"max_abs_diff_between_ranks", u.global_between_ranks},
-                                       {"total_items", u.global_items},
-                                       {"verdict", u.global_verdict}}}});
-  }
-  json sharded = json::array();
-  for (const auto& d : r.ddp) {
-    sharded.push_back({{"world_size", d.world_size}, {"strategy", "full_shard"}, {"global_batch", d.global_batch},
-                       {"samples_per_rank", d.global_batch / d.world_size},
-                       {"measured", "initial - updated parameters after one SGD step (lr 1), full_state_dict"},
-                       {"max_abs_diff_to_mean", d.fsdp_to_mean}, {"max_abs_diff_to_sum", d.fsdp_to_sum},
-                       {"max_abs_diff_between_ranks", d.fsdp_between_ranks}, {"verdict", d.fsdp_verdict},
-                       {"note", d.fsdp_note}});
-  }
   return {
       {"command", "gradsync lab"},
       {"mode", c.quick ? "quick" : "full"},
@@ -341,17 +369,11 @@ nlohmann::ordered_json to_json(const LabResults& r) {
       {"world_sizes", c.world_sizes},
       {"tolerance", c.tolerance},
       {"seconds", r.seconds},
-      {"loss_vs_batch", {{"steps", r.loss.steps}, {"optimizer", "sgd"}, {"lr", r.loss.lr},
-                         {"step0_spread", r.loss.step0_spread}, {"sum_over_mean_error", r.loss.ratio_error},
-                         {"verdict", r.loss.verdict}, {"runs", loss_runs}}},
-      {"accumulation", {{"micro_batches", a.micro_batches}, {"micro_batch", a.micro_batch},
-                        {"full_batch_norm", a.full_norm}, {"raw_norm", a.raw_norm}, {"raw_ratio", a.raw_ratio},
-                        {"raw_max_abs_diff_to_sum", a.raw_to_sum}, {"raw_max_abs_diff_to_mean", a.raw_to_mean},
-                        {"scaled_max_abs_diff_to_mean", a.scaled_to_mean}, {"raw_verdict", a.raw_verdict},
-                        {"scaled_verdict", a.scaled_verdict}, {"seconds", a.seconds}}},
-      {"ddp", ddp},
-      {"uneven", uneven},
-      {"sharded", sharded},
+      {"loss_vs_batch", loss_json(r.loss)},
+      {"accumulation", accumulation_json(r.accumulation)},
+      {"ddp", json_array(r.ddp, ddp_json)},
+      {"uneven", json_array(r.uneven, uneven_json)},
+      {"sharded", json_array(r.ddp, sharded_json)},
       {"answer", {{"en", answer_text(r, "en")}, {"ko", answer_text(r, "ko")}}},
       {"out_dir", c.out_dir},
       {"plots", {{"rendered", r.plots.rendered}, {"files", r.plots.files}, {"message", r.plots.message}}},
