@@ -16,7 +16,7 @@
 #include "gradsync/fsdp.h"
 #include "shard/wrap_policy.h"
 #include "shard/sharded_checkpoint.h"
-#include "sharding_common.h"
+#include "support/test_models.h"
 #include "support/subprocess.h"
 #include "support/worker.h"
 

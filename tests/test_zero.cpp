@@ -7,7 +7,7 @@
 #include "gradsync/engine.h"
 #include "gradsync/ddp.h"
 #include "gradsync/zero.h"
-#include "sharding_common.h"
+#include "support/test_models.h"
 #include "support/subprocess.h"
 #include "support/worker.h"
 

@@ -28,6 +28,9 @@ StateDict load_state_dict(const std::string& path);
 // ConfigError before any parsing. `kind` names the file in messages ("state file"), `hint` says how to make one.
 c10::IValue read_torch_file(const std::string& path, const std::string& kind = "torch file",
                             const std::string& hint = "");
+// The guarded unpickler read_torch_file uses, for bytes already read: ConfigError "truncated or not a torch.save
+// zip file (N bytes)" before any parsing; libtorch's own errors propagate as it throws them.
+c10::IValue unpickle_torch_zip(const std::vector<char>& bytes);
 
 // "" when `given` has exactly the keys of `expected` with the same shapes; otherwise everything that is wrong:
 // "missing keys: ...; unexpected keys: ...; wrong shapes: 0.bias (<given_label> [5], model [4])". The one strict

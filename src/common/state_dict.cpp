@@ -74,17 +74,22 @@ void save_state_dict(const StateDict& state, const std::string& path) {
   write_file_atomically(path, torch::pickle_save(dict));
 }
 
+c10::IValue unpickle_torch_zip(const std::vector<char>& bytes) {
+  if (!zip_structure_ok(bytes)) {
+    throw ConfigError(fmt::format("truncated or not a torch.save zip file ({} bytes)", bytes.size()));
+  }
+  return torch::pickle_load(bytes);
+}
+
 c10::IValue read_torch_file(const std::string& path, const std::string& kind, const std::string& hint) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError(fmt::format("cannot open {} '{}': {}", kind, path, std::strerror(errno)));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::string advice = hint.empty() ? "" : "; " + hint;
-  if (!zip_structure_ok(bytes)) {
-    throw ConfigError(fmt::format("{} '{}' is truncated or not a torch.save zip file ({} bytes{})", kind, path,
-                                  bytes.size(), advice));
-  }
   try {
-    return torch::pickle_load(bytes);
+    return unpickle_torch_zip(bytes);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("{} '{}' is {}{}", kind, path, e.what(), advice));
   } catch (const std::exception& e) {
     throw ConfigError(fmt::format("{} '{}' is not a readable torch.save file{}: {}", kind, path, advice, e.what()));
   }

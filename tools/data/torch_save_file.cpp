@@ -13,6 +13,7 @@
 #include "data/data.h"
 #include "data/dataset_spec.h"
 #include "gradsync/error.h"
+#include "gradsync/state_dict.h"
 
 namespace gradsync::cli {
 namespace {
@@ -98,11 +99,11 @@ std::vector<char> read_whole_file(const std::string& path) {
 
 // The object torch.save stored in the file.
 c10::IValue unpickle(const std::string& path) {
-  // TODO(lead): use the guarded reader (read_torch_file, the zip-structure check of src/common/state_dict.cpp):
-  // libtorch 1.13's pickle_load below reads a file cut short past the end of `bytes`.
   const std::vector<char> bytes = read_whole_file(path);
   try {
-    return torch::pickle_load(bytes);
+    return unpickle_torch_zip(bytes);  // the zip structure is checked first: no read past a cut file's end
+  } catch (const ConfigError& e) {
+    not_a_torch_file(path, e.what());
   } catch (const c10::Error& e) {
     // torch.save(OrderedDict(...)) (e.g. torch.save(model.state_dict())) fails inside pickle_load.
     if (std::string(e.what_without_backtrace()).find("Expected GenericDict but got None") !=

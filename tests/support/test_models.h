@@ -1,5 +1,6 @@
-// Shared by the sharding tests (test_fsdp.cpp, test_zero.cpp): small models, optimizers, data that changes every
-// step, and state-dict comparison. Every check compares a sharded run with an unsharded one on the same data.
+// defines: what the engine tests share (test_engine.cpp, test_fsdp.cpp, test_zero.cpp): small models, optimizers,
+// data that changes every step, and state-dict comparison. Every check compares a data-parallel run with an
+// unsharded one on the same data.
 #pragma once
 #include <algorithm>
 #include <memory>

@@ -1,0 +1,166 @@
+// The engine interface: one training loop, written once as a template over the engine type, is run with every
+// engine (DistributedDataParallel, FullyShardedDataParallel in each strategy, Zero1DataParallel, LocalEngine) and
+// must end where one process trained on the global batch ends. The loop uses every operation of the interface:
+// parameters(), track_optimizer(), zero_grad(), forward(), accumulate() (with no_sync inside), clip_grad_norm(),
+// state_dict(), memory() and traffic(). Ranks start from different initial parameters (rank 0's must win), steps
+// accumulate K = 2 micro-batches, and in the last step the last rank has no data and joins with zeros.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "gradsync/ddp.h"
+#include "gradsync/engine.h"
+#include "gradsync/fsdp.h"
+#include "gradsync/local.h"
+#include "gradsync/zero.h"
+#include "support/subprocess.h"
+#include "support/test_models.h"
+#include "support/worker.h"
+
+namespace t = gradsync::test;
+namespace sh = gradsync::test::sharding;
+namespace F = torch::nn::functional;
+
+namespace {
+
+constexpr const char* kWidths = "6-13-7-3";
+constexpr int64_t kMicroBatch = 4;
+constexpr double kMaxNorm = 0.5;  // small enough that every step clips: the norm of the whole gradient matters
+
+struct Micro {
+  torch::Tensor x, y;
+};
+using Step = std::vector<Micro>;  // one rank's micro-batches in one optimizer step (possibly none)
+
+// Rank r's micro-batches in step s of a world of n: K = 2 each, except the last step, where every rank has one and
+// the last rank (n > 1) none. The global batch is the same on every rank and differs every step.
+std::vector<Step> rank_steps(int n, int r) {
+  std::vector<Step> steps;
+  for (int64_t s = 0; s < 3; ++s) {
+    const int64_t k = s < 2 ? 2 : 1;
+    auto [x, y] = sh::global_batch(s, n * k * kMicroBatch, sh::input_width(kWidths), sh::output_width(kWidths));
+    Step step;
+    const bool joins = s == 2 && n > 1 && r == n - 1;
+    for (int64_t m = 0; m < k && !joins; ++m) {
+      const int64_t at = (r * k + m) * kMicroBatch;
+      step.push_back({x.narrow(0, at, kMicroBatch), y.narrow(0, at, kMicroBatch)});
+    }
+    steps.push_back(step);
+  }
+  return steps;
+}
+
+// THE training loop: the same code for every engine type.
+template <typename EngineType>
+gradsync::StateDict train(EngineType& engine, const std::vector<Step>& steps) {
+  torch::optim::SGD optimizer(engine.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  engine.track_optimizer(&optimizer);
+  for (const auto& step : steps) {
+    engine.zero_grad();
+    gradsync::accumulate(engine, static_cast<int64_t>(step.size()), [&](int64_t m) {
+      const auto& micro = step[static_cast<size_t>(m)];
+      return F::cross_entropy(engine.forward(micro.x), micro.y);
+    });
+    engine.clip_grad_norm(kMaxNorm);
+    optimizer.step();
+  }
+  auto state = engine.state_dict();
+  WORKER_CHECK(engine.memory().peak_total() > 0, "{}: memory() counted nothing", engine.name());
+  engine.track_optimizer(nullptr);
+  return state;
+}
+
+// One process on the global batch, no gradsync: the gradient of step s is sum over ranks r with data and their
+// K_r micro-batches of grad(loss_rk) / (N * K_r) (Reduction::Mean; a rank without data adds zeros, counted in N).
+gradsync::StateDict reference(int n, const std::vector<std::vector<Step>>& by_rank) {
+  auto model = sh::make_mlp(kWidths, false, 0);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (size_t s = 0; s < by_rank.front().size(); ++s) {
+    optimizer.zero_grad();
+    for (const auto& steps : by_rank) {
+      const auto& step = steps[s];
+      for (const auto& micro : step) {
+        (F::cross_entropy(model->forward(micro.x), micro.y) / static_cast<double>(n * step.size())).backward();
+      }
+    }
+    torch::nn::utils::clip_grad_norm_(model->parameters(), kMaxNorm);
+    optimizer.step();
+  }
+  return gradsync::state_dict(*model);
+}
+
+gradsync::FsdpOptions fsdp(gradsync::ShardingStrategy strategy) {
+  gradsync::FsdpOptions o;
+  o.strategy = strategy;
+  return o;
+}
+
+}  // namespace
+
+// args: one engine name
+GRADSYNC_WORKER(engine_loop) {
+  auto world = sh::join();
+  const int n = world->size(), r = world->rank();
+  const std::string kind = args.at(0);
+  auto model = sh::make_mlp(kWidths, false, r == 0 ? 0 : 40 + r);  // rank 0's initial parameters must win
+  std::vector<std::vector<Step>> by_rank;
+  for (int q = 0; q < n; ++q) by_rank.push_back(rank_steps(n, q));
+  gradsync::StateDict got;
+  gradsync::CommStats traffic;
+  if (kind == "local") {
+    // One process holding every rank's micro-batches of the equal steps (a joining rank exists only with ranks).
+    std::vector<Step> all(2);
+    for (size_t s = 0; s < all.size(); ++s) {
+      for (const auto& steps : by_rank) all[s].insert(all[s].end(), steps[s].begin(), steps[s].end());
+    }
+    auto local = sh::make_mlp(kWidths, false, 0);
+    gradsync::LocalEngine engine(local);
+    got = train(engine, all);
+    const double d = sh::max_relative_difference(got, reference(1, {all}));
+    WORKER_CHECK(d <= 1e-5, "local: differs from one process by {}", d);
+    return 0;
+  }
+  if (kind == "ddp") {
+    gradsync::DistributedDataParallel engine(model, world);
+    got = train(engine, by_rank[static_cast<size_t>(r)]);
+    traffic = engine.traffic();
+  } else if (kind == "zero1") {
+    gradsync::Zero1DataParallel engine(model, world);
+    got = train(engine, by_rank[static_cast<size_t>(r)]);
+    traffic = engine.traffic();
+  } else {
+    const auto strategy = kind == "fsdp-full"      ? gradsync::ShardingStrategy::FullShard
+                          : kind == "fsdp-grad-op" ? gradsync::ShardingStrategy::ShardGradOp
+                                                   : gradsync::ShardingStrategy::NoShard;
+    gradsync::FullyShardedDataParallel engine(model, world, fsdp(strategy));
+    got = train(engine, by_rank[static_cast<size_t>(r)]);
+    traffic = engine.traffic();
+  }
+  const double d = sh::max_relative_difference(got, reference(n, by_rank));
+  WORKER_CHECK(d <= 1e-5, "{} on {} ranks (rank {}): differs from one process on the global batch by {}", kind, n, r,
+               d);
+  WORKER_CHECK(n == 1 || traffic.total() > 0, "{}: traffic() counted no bytes on {} ranks", kind, n);
+  if (r == 0) fmt::print("{} N={}: max rel diff {:.2e} from one process, {} sent\n", kind, n, d, traffic.total());
+  return 0;
+}
+
+class EngineLoop : public testing::TestWithParam<std::tuple<const char*, int>> {};
+
+TEST_P(EngineLoop, EndsWhereOneProcessOnTheGlobalBatchEnds) {
+  const auto [kind, n] = GetParam();
+  t::CommandOptions options;
+  options.timeout = std::chrono::seconds(90);
+  auto results = t::run_ranks(n, t::worker_argv("engine_loop", {kind}), options);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+  std::cout << results[0].out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, EngineLoop,
+                         testing::Combine(testing::Values("local", "ddp", "fsdp-full", "fsdp-grad-op",
+                                                          "fsdp-no-shard", "zero1"),
+                                          testing::Values(1, 3)),
+                         [](const auto& info) {
+                           std::string name = std::get<0>(info.param);
+                           for (auto& ch : name) ch = ch == '-' ? '_' : ch;
+                           return fmt::format("{}_N{}", name, std::get<1>(info.param));
+                         });
