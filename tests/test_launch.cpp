@@ -1,4 +1,4 @@
-// Tests for `gradsync launch` (tools/launch.cpp): the ranks' environment, output prefixing, failure
+// Tests for `gradsync launch` (tools/launch/): the ranks' environment, output prefixing, failure
 // propagation, signal forwarding, the grace period, and that no process outlives the launcher. They run
 // the real CLI (GRADSYNC_BIN) with sh scripts as ranks; every run has its own timeout.
 #include <signal.h>
@@ -17,6 +17,7 @@
 
 #include <gtest/gtest.h>
 
+#include "gradsync/error.h"
 #include "launch/launch.h"
 #include "support/subprocess.h"
 
@@ -376,12 +377,12 @@ TEST(Launch, LibraryApiValidatesAndRuns) {
   gradsync::cli::LaunchOptions o;
   o.command = {"sh", "-c", R"(test "$GRADSYNC_TEST_VALUE" = "v$WORLD_SIZE" && exit $((RANK + 10)))"};
   o.nproc = 0;
-  EXPECT_THROW(gradsync::cli::validate(o), std::invalid_argument);
+  EXPECT_THROW(gradsync::cli::validate(o), gradsync::ConfigError);
   o.nproc = 2;
   o.master_port = 65536;
-  EXPECT_THROW(gradsync::cli::validate(o), std::invalid_argument);
+  EXPECT_THROW(gradsync::cli::validate(o), gradsync::ConfigError);
   o.master_port = 0;
-  EXPECT_THROW(gradsync::cli::validate({}), std::invalid_argument);  // no command
+  EXPECT_THROW(gradsync::cli::validate({}), gradsync::ConfigError);  // no command
   // extra_env reaches the rank (else `test` fails with 1); the rank's exit code becomes the result.
   o.extra_env = {{"GRADSYNC_TEST_VALUE", "v1"}};
   o.nproc = 1;

@@ -1,26 +1,18 @@
-// Implementation notes: the test binary is multi-threaded (torch thread pools), so between fork() and
-// exec the child only makes async-signal-safe calls; everything it needs (argv, envp, the resolved
-// executable path) is prepared by the parent beforehand. Children are polled with waitpid(WNOHANG) rather
-// than via SIGCHLD so that no process-wide signal handler is installed behind the tests' back.
+// Implementation notes: children are started by gradsync's own spawner (tools/launch/spawn.h, shared
+// with `gradsync launch`), which prepares everything before fork() because the test binary is
+// multi-threaded. Children are polled with waitpid(WNOHANG) rather than via SIGCHLD so that no
+// process-wide signal handler is installed behind the tests' back.
 #include "support/subprocess.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
-#include <map>
 #include <optional>
 #include <stdexcept>
 #include <system_error>
@@ -28,28 +20,21 @@
 
 #include <fmt/format.h>
 
-extern char** environ;
+#include "launch/spawn.h"
 
 namespace gradsync::test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-[[noreturn]] void throw_errno(const std::string& what) {
-  throw std::system_error(errno, std::generic_category(), what);
-}
-
-std::string temp_root() {
-  const char* dir = std::getenv("TMPDIR");
-  return (dir != nullptr && *dir != '\0') ? dir : "/tmp";
-}
-
 // An unlinked, close-on-exec temp file: it disappears with the last descriptor, and a child started
 // concurrently from another thread does not inherit it.
 int anonymous_temp_file() {
-  std::string path = temp_root() + "/gradsync-out-XXXXXX";
+  std::string path = cli::temp_root() + "/gradsync-out-XXXXXX";
   int fd = mkostemp(path.data(), O_CLOEXEC);
-  if (fd < 0) throw_errno("cannot create a temp file in " + temp_root());
+  if (fd < 0) {
+    throw std::system_error(errno, std::generic_category(), "cannot create a temp file in " + cli::temp_root());
+  }
   unlink(path.c_str());
   return fd;
 }
@@ -69,105 +54,11 @@ std::string read_all(int fd) {
 }
 
 // The child's environment: the current one, minus `unset_env`, plus `env` (later entries win).
-std::vector<std::string> child_environment(const CommandOptions& opts) {
-  std::map<std::string, std::string> vars;
-  for (char** e = environ; *e != nullptr; ++e) {
-    std::string entry = *e;
-    auto eq = entry.find('=');
-    if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
-  }
+cli::EnvMap child_environment(const CommandOptions& opts) {
+  cli::EnvMap vars = cli::current_environment();
   for (const auto& name : opts.unset_env) vars.erase(name);
   for (const auto& [name, value] : opts.env) vars[name] = value;
-  std::vector<std::string> out;
-  for (const auto& [name, value] : vars) out.push_back(name + "=" + value);
-  return out;
-}
-
-std::string lookup(const std::vector<std::string>& env, const std::string& name) {
-  for (const auto& entry : env) {
-    if (entry.compare(0, name.size() + 1, name + "=") == 0) return entry.substr(name.size() + 1);
-  }
-  return {};
-}
-
-// execvp's PATH search, done in the parent (execvp itself may allocate, which is unsafe after fork in a
-// multi-threaded process). Uses the child's PATH so that `env PATH=...`-style overrides behave as expected.
-std::optional<std::string> resolve_executable(const std::string& cmd, const std::string& path_env) {
-  if (cmd.find('/') != std::string::npos) return cmd;
-  std::string search = path_env.empty() ? "/usr/local/bin:/usr/bin:/bin" : path_env;
-  size_t begin = 0;
-  for (;;) {
-    size_t end = search.find(':', begin);
-    std::string dir = search.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
-    std::string candidate = (dir.empty() ? "." : dir) + "/" + cmd;
-    struct stat st {};
-    if (stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && access(candidate.c_str(), X_OK) == 0) {
-      return candidate;
-    }
-    if (end == std::string::npos) return std::nullopt;
-    begin = end + 1;
-  }
-}
-
-std::vector<char*> c_strings(std::vector<std::string>& strings) {
-  std::vector<char*> out;
-  for (auto& s : strings) out.push_back(s.data());
-  out.push_back(nullptr);
-  return out;
-}
-
-// Everything the child needs, prepared before fork().
-struct ChildPlan {
-  const char* path;
-  char* const* argv;
-  char* const* envp;
-  const char* cwd;  // nullptr: inherit
-  int out_fd, err_fd, report_fd;
-  bool kill_with_parent;
-  pid_t parent;
-};
-
-// Runs in the forked child: async-signal-safe calls only. On failure, errno goes to the parent through
-// the close-on-exec report pipe (which a successful exec closes, so the parent reads EOF).
-[[noreturn]] void exec_child(const ChildPlan& plan) {
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, nullptr);
-  // Ignored signals survive exec; the child must see SIGTERM/SIGINT/SIGPIPE with default behaviour.
-  struct sigaction dfl {};
-  dfl.sa_handler = SIG_DFL;
-  for (int sig = 1; sig < NSIG; ++sig) {
-    if (sig != SIGKILL && sig != SIGSTOP) sigaction(sig, &dfl, nullptr);
-  }
-  setpgid(0, 0);
-  if (plan.kill_with_parent) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != plan.parent) _exit(127);  // the parent died before prctl took effect
-  }
-  int null_fd = open("/dev/null", O_RDONLY);
-  if (null_fd >= 0) dup2(null_fd, 0);
-  dup2(plan.out_fd, 1);
-  dup2(plan.err_fd, 2);
-  int err = 0;
-  if (plan.cwd != nullptr && chdir(plan.cwd) != 0) {
-    err = errno;
-  } else {
-    execve(plan.path, plan.argv, plan.envp);
-    err = errno;
-  }
-  ssize_t ignored = write(plan.report_fd, &err, sizeof err);
-  (void)ignored;
-  _exit(127);
-}
-
-// Reads the child's exec report: 0 when exec succeeded, else the errno of the failed step.
-int read_exec_report(int fd) {
-  int err = 0;
-  ssize_t n;
-  do {
-    n = read(fd, &err, sizeof err);
-  } while (n < 0 && errno == EINTR);
-  return n == static_cast<ssize_t>(sizeof err) ? err : 0;
+  return vars;
 }
 
 std::string tail(const std::string& s, size_t max_bytes) {
@@ -202,39 +93,29 @@ Process Process::start(std::vector<std::string> argv, CommandOptions opts) {
   p.out_fd_ = anonymous_temp_file();
   p.err_fd_ = anonymous_temp_file();
 
-  std::vector<std::string> env = child_environment(opts);
-  std::optional<std::string> path = resolve_executable(argv[0], lookup(env, "PATH"));
+  cli::EnvMap env = child_environment(opts);
+  // The child's PATH, so that `env PATH=...`-style overrides behave as expected.
+  std::optional<std::string> path = cli::find_executable(argv[0], env);
   if (!path) {
     p.reaped_ = true;
     p.result_.exit_code = 127;
     p.result_.err = fmt::format("cannot execute '{}': {}\n", argv[0], std::strerror(ENOENT));
     return p;
   }
-  std::vector<char*> c_argv = c_strings(argv);
-  std::vector<char*> c_env = c_strings(env);
-  int report[2];
-  if (pipe2(report, O_CLOEXEC) != 0) throw_errno("pipe2");
-  ChildPlan plan{path->c_str(), c_argv.data(), c_env.data(), opts.cwd.empty() ? nullptr : opts.cwd.c_str(),
-                 p.out_fd_,     p.err_fd_,     report[1],    opts.kill_with_parent, getpid()};
-  pid_t pid = fork();
-  if (pid < 0) {
-    int saved = errno;
-    close(report[0]);
-    close(report[1]);
-    errno = saved;
-    throw_errno("fork");
-  }
-  if (pid == 0) exec_child(plan);
-  // Also set the group from the parent: whichever side runs first, the group exists before anyone
-  // signals it.
-  setpgid(pid, pid);
-  close(report[1]);
-  int exec_error = read_exec_report(report[0]);
-  close(report[0]);
-  p.pid_ = pid;
-  if (exec_error != 0) {
+  cli::SpawnRequest request;
+  request.path = *path;
+  request.argv = argv;
+  request.env = cli::env_entries(env);
+  request.cwd = opts.cwd;
+  request.stdout_fd = p.out_fd_;
+  request.stderr_fd = p.err_fd_;
+  request.null_stdin = true;
+  request.kill_with_parent = opts.kill_with_parent;
+  cli::Spawned child = cli::spawn(request);
+  p.pid_ = child.pid;
+  if (child.exec_error != 0) {
     p.wait();  // reaps the child, which has already _exit(127)ed
-    p.result_.err += fmt::format("cannot execute '{}': {}\n", argv[0], std::strerror(exec_error));
+    p.result_.err += fmt::format("cannot execute '{}': {}\n", argv[0], std::strerror(child.exec_error));
   }
   return p;
 }
@@ -351,11 +232,11 @@ ProcessResult kill_and_collect(Process& p, bool timed_out) {
 
 std::vector<ProcessResult> run_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts) {
   if (world_size < 1) throw std::invalid_argument(fmt::format("run_ranks: world_size {} < 1", world_size));
-  const std::string dir = make_temp_dir("gradsync-ranks-");
+  const cli::TempDir dir("gradsync-ranks-");  // removed with its store file when the ranks are done
   const int port = free_port();
   std::vector<Process> procs;
   for (int r = 0; r < world_size; ++r) {
-    procs.push_back(Process::start(argv, rank_options(opts, r, world_size, port, dir + "/store")));
+    procs.push_back(Process::start(argv, rank_options(opts, r, world_size, port, dir.file("store"))));
   }
   const auto deadline = Clock::now() + opts.timeout;
   std::optional<Clock::time_point> stop_at;  // set by the first failure: the others get 5 s
@@ -382,8 +263,6 @@ std::vector<ProcessResult> run_ranks(int world_size, std::vector<std::string> ar
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  std::error_code ignored;
-  std::filesystem::remove_all(dir, ignored);
   std::vector<ProcessResult> out;
   for (auto& r : results) out.push_back(std::move(*r));
   return out;
@@ -401,29 +280,8 @@ bool process_alive(pid_t pid) {
   return state != 'Z' && state != 'X' && state != 'x';
 }
 
-std::string make_temp_dir(const std::string& prefix) {
-  std::string path = temp_root() + "/" + prefix + "XXXXXX";
-  if (mkdtemp(path.data()) == nullptr) throw_errno("cannot create a temp dir " + path);
-  return path;
-}
+std::string make_temp_dir(const std::string& prefix) { return cli::make_temp_dir(prefix); }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof addr;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    int saved = errno;
-    close(fd);
-    errno = saved;
-    throw_errno("cannot find a free port on 127.0.0.1");
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
-}
+int free_port() { return cli::free_port(); }
 
 }  // namespace gradsync::test

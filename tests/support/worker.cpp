@@ -1,11 +1,10 @@
 // Worker scenario registry (see worker.h).
 #include "support/worker.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <map>
-#include <stdexcept>
+
+#include "launch/spawn.h"
 
 namespace gradsync::test {
 namespace {
@@ -13,13 +12,6 @@ namespace {
 std::map<std::string, WorkerFn>& registry() {
   static std::map<std::string, WorkerFn> workers;
   return workers;
-}
-
-std::string self_exe() {
-  char buf[4096];
-  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) throw std::runtime_error("cannot resolve /proc/self/exe");
-  return std::string(buf, static_cast<size_t>(n));
 }
 
 }  // namespace
@@ -45,7 +37,7 @@ int run_worker(int argc, char** argv) {
 }
 
 std::vector<std::string> worker_argv(const std::string& name, const std::vector<std::string>& args) {
-  std::vector<std::string> argv{self_exe(), "--worker", name};
+  std::vector<std::string> argv{cli::self_executable(), "--worker", name};
   argv.insert(argv.end(), args.begin(), args.end());
   return argv;
 }

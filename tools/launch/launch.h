@@ -1,5 +1,6 @@
 // defines: the local multi-process launcher behind `gradsync launch` (torchrun --standalone --no_python
-// equivalent), reusable by `gradsync train` to start its own ranks.
+// equivalent), reusable by `gradsync train` and `gradsync lab` to start their own ranks. The supervisor is
+// launch.cpp, the subcommand launch_command.cpp; how a child is started is spawn.h.
 #pragma once
 #include <chrono>
 #include <string>
@@ -12,8 +13,10 @@ class App;
 
 namespace gradsync::cli {
 
+inline constexpr int kMaxNproc = 1024;
+
 struct LaunchOptions {
-  int nproc = 1;                           // 1..1024
+  int nproc = 1;                           // 1..kMaxNproc
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                     // 0: pick a free port
   std::chrono::milliseconds grace{5000};   // SIGTERM -> SIGKILL grace period
@@ -22,7 +25,7 @@ struct LaunchOptions {
   std::vector<std::pair<std::string, std::string>> extra_env;  // set last: overrides everything else
 };
 
-// Throws std::invalid_argument naming the offending option, its value and what is allowed.
+// Throws gradsync::ConfigError naming the offending option, its value and what is allowed.
 void validate(const LaunchOptions& options);
 
 // Starts options.nproc ranks, each in its own process group with RANK, WORLD_SIZE, LOCAL_RANK,
@@ -34,7 +37,8 @@ void validate(const LaunchOptions& options);
 // was signalled. Every rank's process group is SIGKILLed before returning, so no process outlives it.
 // Installs temporary handlers for SIGINT/SIGTERM/SIGHUP/SIGCHLD/SIGPIPE (restored on return): call it
 // from one thread at a time, from a thread that outlives the ranks (ranks use PR_SET_PDEATHSIG).
-// Throws std::invalid_argument for invalid options (see validate()).
+// Throws gradsync::ConfigError for invalid options (see validate()), std::system_error if a rank cannot be
+// started (fork or pipe failure; a command that cannot be executed is a failing rank, exit status 127).
 int launch(const LaunchOptions& options);
 
 // `gradsync launch`: adds the subcommand to `root`; its callback stores the exit status in `exit_code`.

@@ -1,0 +1,99 @@
+// `gradsync launch`: the subcommand's options, turned into LaunchOptions and handed to launch().
+//
+// -n, --master-port and --grace-period are read as strings and converted here, not by CLI11, so that a bad
+// value gets the launcher's own report (the option, the value as typed, the allowed range, then the usage;
+// exit status 2) and integers are decimal: CLI11 2.1 converts with base 0, reading "010" as 8.
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <optional>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "gradsync/error.h"
+#include "launch/launch.h"
+
+namespace gradsync::cli {
+namespace {
+
+constexpr const char* kUsage = "usage: gradsync launch -n N [--master-addr A] [--master-port P] "
+                               "[--grace-period SECONDS] [--no-prefix] -- CMD [ARGS...]";
+
+struct CliArgs {
+  std::string nproc = "1";
+  std::string master_addr = "127.0.0.1";
+  std::string master_port = "0";
+  std::string grace = "5";
+  bool no_prefix = false;
+  std::vector<std::string> command;
+};
+
+std::optional<long> parse_long(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  long value = std::strtol(text.c_str(), &end, 10);
+  if (errno != 0 || end == nullptr || *end != '\0') return std::nullopt;
+  return value;
+}
+
+int parse_int_in(const std::string& text, const char* option, long lo, long hi, const char* note = "") {
+  auto value = parse_long(text);
+  if (!value || *value < lo || *value > hi) {
+    throw ConfigError(fmt::format("{} must be an integer from {} to {}{}, got '{}'", option, lo, hi, note, text));
+  }
+  return static_cast<int>(*value);
+}
+
+std::chrono::milliseconds parse_seconds(const std::string& text, const char* option) {
+  char* end = nullptr;
+  double seconds = text.empty() ? -1 : std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !std::isfinite(seconds) || seconds < 0 || seconds > 86400) {
+    throw ConfigError(fmt::format("{} must be a number of seconds from 0 to 86400, got '{}'", option, text));
+  }
+  return std::chrono::milliseconds(static_cast<long>(std::llround(seconds * 1000)));
+}
+
+LaunchOptions to_options(const CliArgs& a) {
+  LaunchOptions o;
+  o.nproc = parse_int_in(a.nproc, "-n/--nproc-per-node", 1, kMaxNproc);
+  o.master_addr = a.master_addr;
+  o.master_port = parse_int_in(a.master_port, "--master-port", 0, 65535, " (0: pick a free port)");
+  o.grace = parse_seconds(a.grace, "--grace-period");
+  o.prefix_output = !a.no_prefix;
+  o.command = a.command;
+  validate(o);
+  return o;
+}
+
+}  // namespace
+
+void add_launch_command(CLI::App& root, int& exit_code) {
+  auto args = std::make_shared<CliArgs>();
+  CLI::App* sub = root.add_subcommand(
+      "launch",
+      "Run CMD as N local ranks (torchrun --standalone --nproc_per_node N --no_python): sets RANK, WORLD_SIZE, "
+      "LOCAL_RANK, MASTER_ADDR/PORT, GRADSYNC_STORE_FILE, ...; prefixes output with [rank<r>]; stops all ranks "
+      "when one fails and exits with its status. Put `--` before CMD.");
+  sub->add_option("-n,--nproc-per-node", args->nproc, "number of ranks, 1..1024 (default 1)");
+  sub->add_option("--master-addr", args->master_addr, "MASTER_ADDR for the ranks (default 127.0.0.1)");
+  sub->add_option("--master-port", args->master_port, "MASTER_PORT for the ranks, 0..65535 (default 0: a free port)");
+  sub->add_option("--grace-period", args->grace, "seconds between SIGTERM and SIGKILL when stopping (default 5)");
+  sub->add_flag("--no-prefix", args->no_prefix, "do not prefix output lines with [rank<r>]");
+  sub->add_option("command", args->command, "the command to run (after --) and its arguments");
+  sub->callback([args, &exit_code] {
+    LaunchOptions options;
+    try {
+      options = to_options(*args);
+    } catch (const ConfigError& e) {
+      fmt::print(stderr, "gradsync launch: error: {}\n{}\n", e.what(), kUsage);
+      exit_code = 2;
+      return;
+    }
+    exit_code = launch(options);
+  });
+}
+
+}  // namespace gradsync::cli

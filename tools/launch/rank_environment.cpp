@@ -1,0 +1,53 @@
+// The ranks' environment (see rank_environment.h).
+#include "launch/rank_environment.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <random>
+
+#include <fmt/format.h>
+
+namespace gradsync::cli {
+namespace {
+
+std::string random_run_id() {
+  std::random_device rd;
+  return fmt::format("{:08x}{:08x}", rd(), rd());
+}
+
+// torchrun's rule: share the cores between the ranks instead of oversubscribing them N times.
+std::string omp_threads(const EnvMap& env, int nproc) {
+  if (auto it = env.find("OMP_NUM_THREADS"); it != env.end()) return it->second;
+  long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  return std::to_string(std::max(1L, cores / nproc));
+}
+
+}  // namespace
+
+EnvMap common_environment(const LaunchOptions& o, int port, const std::string& store_file) {
+  EnvMap env = current_environment();
+  // Inherited from an outer torchrun this would make Python ranks look for an agent store that does not
+  // exist here; without it they use MASTER_ADDR/PORT with rank 0 as the TCPStore server.
+  env.erase("TORCHELASTIC_USE_AGENT_STORE");
+  env["OMP_NUM_THREADS"] = omp_threads(env, o.nproc);
+  env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = env["ROLE_WORLD_SIZE"] = std::to_string(o.nproc);
+  env["GROUP_RANK"] = "0";
+  env["GROUP_WORLD_SIZE"] = "1";
+  env["ROLE_NAME"] = "default";
+  env["MASTER_ADDR"] = o.master_addr;
+  env["MASTER_PORT"] = std::to_string(port);
+  env["TORCHELASTIC_RESTART_COUNT"] = "0";
+  env["TORCHELASTIC_MAX_RESTARTS"] = "0";
+  env["TORCHELASTIC_RUN_ID"] = random_run_id();
+  env["GRADSYNC_STORE_FILE"] = store_file;
+  return env;
+}
+
+std::vector<std::string> rank_environment(EnvMap env, const LaunchOptions& o, int rank) {
+  env["RANK"] = env["LOCAL_RANK"] = env["ROLE_RANK"] = std::to_string(rank);
+  for (const auto& [name, value] : o.extra_env) env[name] = value;
+  return env_entries(env);
+}
+
+}  // namespace gradsync::cli

@@ -1,0 +1,21 @@
+// defines: the environment `gradsync launch` gives its ranks, torchrun's (--standalone) variables plus
+// GRADSYNC_STORE_FILE.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "launch/launch.h"
+#include "launch/spawn.h"
+
+namespace gradsync::cli {
+
+// What every rank shares: this process's environment with WORLD_SIZE, LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE,
+// GROUP_RANK, GROUP_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (= `port`), TORCHELASTIC_* (one random
+// run id), OMP_NUM_THREADS (kept if set, else the cores shared between the ranks) and
+// GRADSYNC_STORE_FILE (= `store_file`) set.
+EnvMap common_environment(const LaunchOptions& options, int port, const std::string& store_file);
+
+// `common` plus RANK, LOCAL_RANK, ROLE_RANK (= `rank`), then options.extra_env, as execve entries.
+std::vector<std::string> rank_environment(EnvMap common, const LaunchOptions& options, int rank);
+
+}  // namespace gradsync::cli
