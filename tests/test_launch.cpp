@@ -82,6 +82,7 @@ bool all_files_exist(const TempDir& dir, const std::string& stem, int n) {
   return true;
 }
 
+// Rank scripts write their pid files to a temp name and rename them, so a file that exists is complete.
 pid_t read_pid(const std::string& path) {
   std::ifstream in(path);
   pid_t pid = -1;
@@ -230,7 +231,7 @@ TEST(Launch, FailingRankStopsTheOthersAndLeavesNoProcess) {
   TempDir dir;
   // Each rank records its shell's pid and that of a child `sleep`; rank 1 fails once all are up.
   const std::string script = R"(
-    sleep 60 & echo $! > "$T/child.$RANK"; echo $$ > "$T/pid.$RANK"
+    sleep 60 & echo $! > "$T/tmpc.$RANK" && mv "$T/tmpc.$RANK" "$T/child.$RANK"; echo $$ > "$T/tmp.$RANK" && mv "$T/tmp.$RANK" "$T/pid.$RANK"
     if [ "$RANK" = 1 ]; then
       while [ ! -e "$T/pid.0" ] || [ ! -e "$T/pid.2" ]; do sleep 0.05; done
       exit 3
@@ -263,7 +264,7 @@ TEST(Launch, SigtermToTheLauncherIsForwardedToEveryRank) {
   TempDir dir;
   const std::string script = R"(
     trap 'echo term > "$T/term.$RANK"; exit 143' TERM
-    echo $$ > "$T/pid.$RANK"
+    echo $$ > "$T/tmp.$RANK" && mv "$T/tmp.$RANK" "$T/pid.$RANK"
     while true; do sleep 0.05; done)";
   Process p = Process::start(launch_args({"-n", "3", "--", "sh", "-c", script}), options_with_dir(dir.path()));
   ASSERT_TRUE(eventually([&] { return all_files_exist(dir, "pid.", 3); })) << p.wait().describe();
@@ -279,7 +280,7 @@ TEST(Launch, SigtermToTheLauncherIsForwardedToEveryRank) {
 TEST(Launch, RanksDieWithASigkilledLauncher) {
   TempDir dir;
   // `exec`: the recorded pid is the rank process itself, which carries PR_SET_PDEATHSIG.
-  const std::string script = R"(echo $$ > "$T/pid.$RANK"; exec sleep 60)";
+  const std::string script = R"(echo $$ > "$T/tmp.$RANK" && mv "$T/tmp.$RANK" "$T/pid.$RANK"; exec sleep 60)";
   CommandOptions o = options_with_dir(dir.path());
   o.env.emplace_back("TMPDIR", dir.path());  // a SIGKILLed launcher cannot remove its temp dir
   Process p = Process::start(launch_args({"-n", "2", "--", "sh", "-c", script}), o);
@@ -305,7 +306,7 @@ TEST(Launch, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
   // Rank 0 ignores SIGTERM (and so does its `sleep`, inheriting the disposition); rank 1 fails.
   const std::string script = R"(
     if [ "$RANK" = 0 ]; then
-      trap '' TERM; echo $$ > "$T/pid.0"; while true; do sleep 0.05; done
+      trap '' TERM; echo $$ > "$T/tmp.0" && mv "$T/tmp.0" "$T/pid.0"; while true; do sleep 0.05; done
     fi
     while [ ! -e "$T/pid.0" ]; do sleep 0.05; done
     exit 5)";

@@ -1,4 +1,4 @@
-// Memory accounting (see memory.h).
+// Memory accounting (MemoryStats and MemoryMeter in stats.h).
 #include "gradsync/stats.h"
 
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Communication volume accounting (see traffic.h).
+// Communication volume accounting (CommStats in stats.h).
 #include "gradsync/stats.h"
 
 #include <fstream>

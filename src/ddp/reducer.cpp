@@ -1,4 +1,4 @@
-// The DDP gradient engine (see reducer.h for one gradient's path).
+// The DDP gradient engine (see reducer.h; one gradient's path is drawn in ddp.h).
 #include "ddp/reducer.h"
 
 #include <chrono>

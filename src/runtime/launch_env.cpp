@@ -1,4 +1,4 @@
-// Parsing and validation of the launcher environment (see launch_env.h). No sockets are touched here, so a
+// Parsing and validation of the launcher environment (LaunchEnv in runtime.h). No sockets are touched here, so a
 // bad environment fails within milliseconds with a message naming the variable.
 #include "gradsync/runtime.h"
 

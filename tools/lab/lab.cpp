@@ -22,6 +22,7 @@
 #include "gradsync/state_dict.h"
 #include "lab/lab.h"
 #include "launch/launch.h"
+#include "launch/spawn.h"
 #include "data/models.h"
 
 namespace gradsync::cli {
@@ -32,32 +33,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kMaxWorldSize = 64;
 
-std::string self_executable() {
-  std::error_code ec;
-  auto path = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) throw Error(fmt::format("lab: cannot resolve /proc/self/exe to start the ranks: {}", ec.message()));
-  return path.string();
-}
-
-// A scratch directory for the ranks' files, removed with this object.
-class ScratchDir {
- public:
-  ScratchDir() {
-    std::string pattern = (fs::temp_directory_path() / "gradsync-lab-XXXXXX").string();
-    if (!mkdtemp(pattern.data())) throw Error(fmt::format("lab: cannot create a directory like {}", pattern));
-    path_ = pattern;
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+// The ranks' files live in a TempDir (launch/spawn.h), removed with it.
+using ScratchDir = TempDir;
 
 void validate(const LabConfig& c) {
   if (c.world_sizes.empty()) throw ConfigError("--world-sizes is empty; expected e.g. 1,2,4");
@@ -176,7 +153,7 @@ int run_lab(const LabCli& cli) {
   fmt::print(stderr, "[lab] sum or mean? {} run: model {}, data {}, world sizes {}\n", c.quick ? "quick" : "full",
              c.model, c.data, fmt::join(c.world_sizes, ","));
 
-  ScratchDir scratch;
+  ScratchDir scratch("gradsync-lab");
   results.dataset_size = prepare_inputs(c, scratch.file("init.pt"), scratch.file("batch.pt"));
   results.loss = run_loss_vs_batch(c);
   results.accumulation = run_accumulation(c, scratch.file("init.pt"), scratch.file("batch.pt"));

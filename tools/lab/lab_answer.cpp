@@ -163,12 +163,12 @@ std::string sharded_answer(const LabResults& r, bool ko) {
                             "{}); at N = 1 the sum and the mean are the same.", ns, sci(to_mean));
   }
   return ko ? fmt::format("샤딩도 평균을 냅니다: FullyShardedDataParallel(FullShard, ZeRO-3)로 N = {}에서 SGD 한 "
-                          "step(lr = 1)을 밟은 뒤, 처음 파라미터에서 갱신된 파라미터(full_state_dict)를 뺀 gradient는 한 "
+                          "step(lr = 1)을 밟은 뒤, 처음 파라미터에서 갱신된 파라미터(state_dict())를 뺀 gradient는 한 "
                           "프로세스의 평균 gradient와 같았고(최대 |차이| {} 이하), rank gradient의 합과는 달랐습니다"
                           "(N ≥ 2에서 최대 |차이| {} 이상). 각 rank는 자기 shard만 갱신하지만 그 shard의 gradient는 "
                           "1/N을 곱한 뒤 SUM reduce-scatter한 평균입니다.", ns, sci(to_mean), sci(to_sum))
             : fmt::format("Sharding averages too: with FullyShardedDataParallel (FullShard, ZeRO-3) at N = {}, one SGD "
-                          "step (lr = 1) moved the parameters (gathered with full_state_dict) by the single-process mean "
+                          "step (lr = 1) moved the parameters (gathered with state_dict()) by the single-process mean "
                           "gradient (max |diff| at most {}), not by the sum of the ranks' gradients (max |diff| at least "
                           "{} for N >= 2). Each rank updates only its shard, but that shard's gradient is x 1/N then a "
                           "SUM reduce-scatter: a mean over ranks.", ns, sci(to_mean), sci(to_sum));

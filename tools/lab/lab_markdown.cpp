@@ -136,7 +136,7 @@ std::string sharded_section(const LabResults& r) {
       "For each world size, the same ranks then build `gradsync::FullyShardedDataParallel` with "
       "`ShardingStrategy::FullShard` (ZeRO-3, `Reduction::Mean`) over a fresh copy of the model in the same initial "
       "state, run one forward and backward of the mean loss on the same equal shares, and take one "
-      "`torch::optim::SGD` step with lr = 1 on their own parameter shards. `full_state_dict` gathers the updated "
+      "`torch::optim::SGD` step with lr = 1 on their own parameter shards. `state_dict()` gathers the updated "
       "parameters on every rank; initial − updated is the gradient FSDP applied, compared with the same "
       "single-process mean and sum as in section 3. Verdict \"mean\": every rank's applied gradient is within "
       "{tol:g} of the mean and not within {tol:g} of the sum (at N = 1 they are the same gradient).\n\n"

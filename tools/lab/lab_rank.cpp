@@ -5,7 +5,7 @@
 // a second copy of the model under DDP with Reduction::GlobalMean (accumulate_global_mean, the summed loss of
 // its share and its sample count). On the even shares it finally measures FullyShardedDataParallel (FullShard):
 // one forward/backward and one SGD step (lr = 1) on this rank's shards; initial - updated parameters, gathered
-// with full_state_dict, is the gradient FSDP applied. It writes the gradients to rank<r>.pt and its measurements to rank<r>.json;
+// with state_dict(), is the gradient FSDP applied. It writes the gradients to rank<r>.pt and its measurements to rank<r>.json;
 // judging them is the parent's work (analyse_ddp), which compares them with gradients it computes itself in one
 // process.
 #include <unistd.h>

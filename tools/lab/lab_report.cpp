@@ -18,6 +18,7 @@
 
 #include "gradsync/error.h"
 #include "lab/lab.h"
+#include "launch/spawn.h"
 
 namespace gradsync::cli {
 namespace {
@@ -211,38 +212,43 @@ plot "ddp_ranks.dat" using ($0-0.19):(v($2)):xtic(1) with boxes lc rgb "#dd6b20"
                      fmt::arg("last_column", r.loss.runs.size() + 1), fmt::arg("tol", c.tolerance));
 }
 
-bool on_path(const std::string& program) {
-  const char* path = getenv("PATH");
-  std::stringstream dirs(path ? path : "/usr/bin:/bin");
-  for (std::string dir; std::getline(dirs, dir, ':');) {
-    if (!dir.empty() && access((dir + "/" + program).c_str(), X_OK) == 0) return true;
+// `gnuplot plots.gp` in `dir`, its output into dir/gnuplot.log; returns the wait status.
+int run_gnuplot(const std::string& gnuplot, const std::string& dir) {
+  const std::string log = dir + "/gnuplot.log";
+  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(fmt::format("lab: cannot write {}: {}", log, std::strerror(errno)));
+  SpawnRequest request;
+  request.path = gnuplot;
+  request.argv = {"gnuplot", "plots.gp"};
+  request.env = env_entries(current_environment());
+  request.cwd = dir;
+  request.stdout_fd = request.stderr_fd = fd;
+  request.null_stdin = true;
+  Spawned child;
+  try {
+    child = spawn(request);
+  } catch (...) {
+    close(fd);
+    throw;
   }
-  return false;
+  close(fd);
+  int status = 0;
+  while (waitpid(child.pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return status;
 }
 
 // Runs `gnuplot plots.gp` in the out dir, its output going to gnuplot.log there.
 void render_plots(OutDir& out, LabResults& r) {
   PlotStatus& p = r.plots;
-  if (!on_path("gnuplot")) {
+  const auto gnuplot = find_executable("gnuplot", current_environment());
+  if (!gnuplot) {
     p.message = fmt::format("gnuplot is not installed (Debian: gnuplot-nox, see scripts/install-deps.sh); the data "
                             "and plots.gp are in {}/, render them with `gnuplot plots.gp` there", out.dir());
     return;
   }
+  const int status = run_gnuplot(*gnuplot, out.dir());
   const std::string log = out.dir() + "/gnuplot.log";
-  const pid_t pid = fork();
-  if (pid < 0) throw Error(fmt::format("lab: cannot start gnuplot: {}", std::strerror(errno)));
-  if (pid == 0) {
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd >= 0) {
-      dup2(fd, STDOUT_FILENO);
-      dup2(fd, STDERR_FILENO);
-    }
-    if (chdir(out.dir().c_str()) == 0) execlp("gnuplot", "gnuplot", "plots.gp", static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-  }
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
@@ -341,7 +347,7 @@ json uneven_json(const UnevenResult& u) {
 json sharded_json(const DdpResult& d) {
   return {{"world_size", d.world_size}, {"strategy", "full_shard"}, {"global_batch", d.global_batch},
           {"samples_per_rank", d.global_batch / d.world_size},
-          {"measured", "initial - updated parameters after one SGD step (lr 1), full_state_dict"},
+          {"measured", "initial - updated parameters after one SGD step (lr 1), state_dict()"},
           {"max_abs_diff_to_mean", d.fsdp_to_mean}, {"max_abs_diff_to_sum", d.fsdp_to_sum},
           {"max_abs_diff_between_ranks", d.fsdp_between_ranks}, {"verdict", d.fsdp_verdict},
           {"note", d.fsdp_note}};

@@ -17,6 +17,7 @@
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
 #include "launch/launch.h"
+#include "launch/spawn.h"
 #include "train/engine_factory.h"
 #include "train/resource_report.h"
 #include "train/schedule.h"
@@ -226,13 +227,6 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
 }
 
 namespace {
-
-std::string self_executable() {
-  char buf[4096];
-  ssize_t len = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (len <= 0) throw Error("cannot resolve /proc/self/exe to start the ranks");
-  return std::string(buf, static_cast<size_t>(len));
-}
 
 void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records, int world_size) {
   if (c.quiet) return;
