@@ -19,6 +19,7 @@
 
 #include "gradsync/error.h"
 #include "launch/launch.h"
+#include "launch/spawn.h"
 #include "support/subprocess.h"
 
 namespace {
@@ -43,18 +44,9 @@ CommandOptions options_with_dir(const std::string& dir, std::chrono::millisecond
   return o;
 }
 
-class TempDir {
- public:
-  TempDir() : path_(gradsync::test::make_temp_dir("gradsync-test-launch-")) {}
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit (launch/spawn.h).
+struct TempDir : gradsync::cli::TempDir {
+  TempDir() : gradsync::cli::TempDir("gradsync-test-launch") {}
 };
 
 std::vector<std::string> lines_of(const std::string& text) {

@@ -24,6 +24,7 @@
 
 #include "data/data.h"
 #include "data/models.h"
+#include "launch/spawn.h"
 #include "gradsync/error.h"
 
 namespace {
@@ -36,27 +37,9 @@ using gradsync::cli::make_model;
 
 constexpr const char* kPython = "/usr/bin/python3";
 
-// A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit.
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl =
-        std::string(base != nullptr && base[0] != '\0' ? base : "/tmp") + "/gradsync-models-data-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed for " + tmpl);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
+// A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit (launch/spawn.h).
+struct TempDir : gradsync::cli::TempDir {
+  TempDir() : gradsync::cli::TempDir("gradsync-models-data") {}
 };
 
 // Sets (or unsets, with nullptr) an environment variable for the scope, restoring the old value after.

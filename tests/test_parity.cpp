@@ -7,14 +7,17 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "support/parity.h"
 #include "support/subprocess.h"
 
 namespace t = gradsync::test;
+namespace parity = gradsync::test::parity;
 
 namespace {
 
-const std::string kPython = "/usr/bin/python3";
-const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
+using parity::kPython;
+using parity::kReference;
+using parity::read_log;
 
 struct ParityCase {
   std::string name;
@@ -36,33 +39,14 @@ t::CommandOptions options() {
   return o;
 }
 
-std::vector<std::string> train_flags(const ParityCase& c, const std::string& dir, const std::string& tag) {
-  std::vector<std::string> flags{"--model", c.model, "--data", dir + "/data.pt", "--loss", c.loss,
-                                 "--global-batch", std::to_string(c.global_batch), "--accumulate",
-                                 std::to_string(c.accumulate), "--world-size", std::to_string(c.world),
-                                 "--init-state", dir + "/init.pt", "--save-state", dir + "/" + tag + ".pt",
-                                 "--log", dir + "/" + tag + ".jsonl"};
-  flags.insert(flags.end(), c.extra.begin(), c.extra.end());
-  return flags;
-}
-
-std::vector<nlohmann::json> read_log(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
-
 // Runs both sides; returns compare_states.py's result (its last line is a JSON verdict).
 t::ProcessResult run_case(const ParityCase& c, const std::string& dir, const std::vector<std::string>& cpp_extra,
                           bool expect_different) {
-  auto made = t::run({kPython, kReference + "/make_case.py", "--model", c.model, "--n", std::to_string(c.samples),
-                      "--loss", c.loss, "--seed", "7", "--data-out", dir + "/data.pt", "--state-out", dir + "/init.pt"},
-                     options());
+  auto made = parity::make_case(c, "7", dir, options());
   EXPECT_TRUE(made.ok()) << made.describe();
 
   std::vector<std::string> cpp{GRADSYNC_BIN, "train"};
-  auto flags = train_flags(c, dir, "gradsync");
+  auto flags = parity::train_flags(c, dir, "gradsync", c.extra);
   cpp.insert(cpp.end(), flags.begin(), flags.end());
   cpp.insert(cpp.end(), cpp_extra.begin(), cpp_extra.end());
   auto ours = t::run(cpp, options());
@@ -70,7 +54,7 @@ t::ProcessResult run_case(const ParityCase& c, const std::string& dir, const std
 
   std::vector<std::string> py{GRADSYNC_BIN, "launch", "-n", std::to_string(c.world), "--", kPython,
                               kReference + "/torch_train.py"};
-  auto py_flags = train_flags(c, dir, "pytorch");
+  auto py_flags = parity::train_flags(c, dir, "pytorch", c.extra);
   py.insert(py.end(), py_flags.begin(), py_flags.end());
   auto theirs = t::run(py, options());
   EXPECT_TRUE(theirs.ok()) << theirs.describe();

@@ -8,14 +8,17 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "support/parity.h"
 #include "support/subprocess.h"
 
 namespace t = gradsync::test;
+namespace parity = gradsync::test::parity;
 
 namespace {
 
-const std::string kPython = "/usr/bin/python3";
-const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
+using parity::kPython;
+using parity::kReference;
+using parity::read_log;
 
 struct ShardedParityCase {
   std::string name;
@@ -37,23 +40,6 @@ t::CommandOptions options() {
   return o;
 }
 
-std::vector<std::string> common_flags(const ShardedParityCase& c, const std::string& dir, const std::string& tag) {
-  std::vector<std::string> flags{"--model", c.model, "--data", dir + "/data.pt", "--loss", c.loss,
-                                 "--global-batch", std::to_string(c.global_batch), "--accumulate",
-                                 std::to_string(c.accumulate), "--world-size", std::to_string(c.world),
-                                 "--init-state", dir + "/init.pt", "--save-state", dir + "/" + tag + ".pt",
-                                 "--log", dir + "/" + tag + ".jsonl"};
-  flags.insert(flags.end(), c.flags.begin(), c.flags.end());
-  return flags;
-}
-
-std::vector<nlohmann::json> read_log(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<nlohmann::json> lines;
-  for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
-  return lines;
-}
-
 std::string tag_of(const std::vector<std::string>& strategy) {
   std::string tag;
   for (const auto& part : strategy) {
@@ -69,13 +55,11 @@ class ShardedParity : public testing::TestWithParam<ShardedParityCase> {};
 TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
   const auto& c = GetParam();
   const std::string dir = t::make_temp_dir("gradsync-sharded-parity");
-  auto made = t::run({kPython, kReference + "/make_case.py", "--model", c.model, "--n", std::to_string(c.samples),
-                      "--loss", c.loss, "--seed", "11", "--data-out", dir + "/data.pt", "--state-out",
-                      dir + "/init.pt"}, options());
+  auto made = parity::make_case(c, "11", dir, options());
   ASSERT_TRUE(made.ok()) << made.describe();
   std::vector<std::string> py{GRADSYNC_BIN, "launch", "-n", std::to_string(c.world), "--", kPython,
                               kReference + "/torch_train.py", "--strategy", "ddp"};
-  auto py_flags = common_flags(c, dir, "pytorch");
+  auto py_flags = parity::train_flags(c, dir, "pytorch", c.flags);
   py.insert(py.end(), py_flags.begin(), py_flags.end());
   auto theirs = t::run(py, options());
   ASSERT_TRUE(theirs.ok()) << theirs.describe();
@@ -85,7 +69,7 @@ TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
   for (const auto& strategy : c.strategies) {
     const auto tag = tag_of(strategy);
     std::vector<std::string> cpp{GRADSYNC_BIN, "train"};
-    auto flags = common_flags(c, dir, tag);
+    auto flags = parity::train_flags(c, dir, tag, c.flags);
     cpp.insert(cpp.end(), flags.begin(), flags.end());
     cpp.insert(cpp.end(), strategy.begin(), strategy.end());
     auto ours = t::run(cpp, options());
