@@ -4,7 +4,7 @@
 //                           difference to BM_LocalStep is the reducer's overhead (bucket copies, the
 //                           end-of-backward wait and write-back)
 //   BM_BucketCopyMean       a 4M-element float gradient copied into its bucket view with the 1/N scale folded
-//                           in (at::mul_out with a wrapped scalar, as src/reducer.cpp does)
+//                           in (at::mul_out with a wrapped scalar, as src/ddp/reducer.cpp does)
 //   BM_BucketCopyThenScale  the same as copy_ followed by mul_: two passes over the bucket
 //
 //   build/bench/bench_reducer --benchmark_min_time=0.2

@@ -3,7 +3,8 @@
 // must end where one process trained on the global batch ends. The loop uses every operation of the interface:
 // parameters(), track_optimizer(), zero_grad(), forward(), accumulate() (with no_sync inside), clip_grad_norm(),
 // state_dict(), memory() and traffic(). Ranks start from different initial parameters (rank 0's must win), steps
-// accumulate K = 2 micro-batches, and in the last step the last rank has no data and joins with zeros.
+// accumulate K = 2 micro-batches, and in the last step the last rank has no data and joins with zeros (DDP and ZeRO-1
+// also in the very first step, by rank 0).
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -32,15 +33,24 @@ struct Micro {
 };
 using Step = std::vector<Micro>;  // one rank's micro-batches in one optimizer step (possibly none)
 
-// Rank r's micro-batches in step s of a world of n: K = 2 each, except the last step, where every rank has one and
-// the last rank (n > 1) none. The global batch is the same on every rank and differs every step.
-std::vector<Step> rank_steps(int n, int r) {
+// Which rank has no data in step s (-1: none). "late": the last rank, in the last step (FSDP can join only after a
+// synchronised step of its own). "early": rank 0 in the very first step (before DDP's bucket rebuild, whose order
+// rank 0 then cannot give), the last rank in the second.
+int joiner(const std::string& pattern, int64_t s, int n) {
+  if (n == 1) return -1;
+  if (pattern == "early") return s == 0 ? 0 : s == 1 ? n - 1 : -1;
+  return s == 2 ? n - 1 : -1;
+}
+
+// Rank r's micro-batches in step s of a world of n: K = 2 in steps without a joining rank, else one for every
+// rank with data. The global batch is the same on every rank and differs every step.
+std::vector<Step> rank_steps(int n, int r, const std::string& pattern = "late") {
   std::vector<Step> steps;
   for (int64_t s = 0; s < 3; ++s) {
-    const int64_t k = s < 2 ? 2 : 1;
+    const int64_t k = joiner(pattern, s, n) < 0 ? 2 : 1;
     auto [x, y] = sh::global_batch(s, n * k * kMicroBatch, sh::input_width(kWidths), sh::output_width(kWidths));
     Step step;
-    const bool joins = s == 2 && n > 1 && r == n - 1;
+    const bool joins = joiner(pattern, s, n) == r;
     for (int64_t m = 0; m < k && !joins; ++m) {
       const int64_t at = (r * k + m) * kMicroBatch;
       step.push_back({x.narrow(0, at, kMicroBatch), y.narrow(0, at, kMicroBatch)});
@@ -97,18 +107,21 @@ gradsync::FsdpOptions fsdp(gradsync::ShardingStrategy strategy) {
 
 }  // namespace
 
-// args: one engine name
+// args: an engine name, optionally "+early" (see joiner())
 GRADSYNC_WORKER(engine_loop) {
   auto world = sh::join();
   const int n = world->size(), r = world->rank();
-  const std::string kind = args.at(0);
+  const std::string spec = args.at(0);
+  const auto plus = spec.find('+');
+  const std::string kind = spec.substr(0, plus);
+  const std::string pattern = plus == std::string::npos ? "late" : spec.substr(plus + 1);
   auto model = sh::make_mlp(kWidths, false, r == 0 ? 0 : 40 + r);  // rank 0's initial parameters must win
   std::vector<std::vector<Step>> by_rank;
-  for (int q = 0; q < n; ++q) by_rank.push_back(rank_steps(n, q));
+  for (int q = 0; q < n; ++q) by_rank.push_back(rank_steps(n, q, pattern));
   gradsync::StateDict got;
   gradsync::CommStats traffic;
   if (kind == "local") {
-    // One process holding every rank's micro-batches of the equal steps (a joining rank exists only with ranks).
+    // One process holding every rank's micro-batches of the steps without a joining rank (the first two).
     std::vector<Step> all(2);
     for (size_t s = 0; s < all.size(); ++s) {
       for (const auto& steps : by_rank) all[s].insert(all[s].end(), steps[s].begin(), steps[s].end());
@@ -140,7 +153,7 @@ GRADSYNC_WORKER(engine_loop) {
   WORKER_CHECK(d <= 1e-5, "{} on {} ranks (rank {}): differs from one process on the global batch by {}", kind, n, r,
                d);
   WORKER_CHECK(n == 1 || traffic.total() > 0, "{}: traffic() counted no bytes on {} ranks", kind, n);
-  if (r == 0) fmt::print("{} N={}: max rel diff {:.2e} from one process, {} sent\n", kind, n, d, traffic.total());
+  if (r == 0) fmt::print("{} N={}: max rel diff {:.2e} from one process, {} sent\n", spec, n, d, traffic.total());
   return 0;
 }
 
@@ -154,6 +167,15 @@ TEST_P(EngineLoop, EndsWhereOneProcessOnTheGlobalBatchEnds) {
   for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
   std::cout << results[0].out;
 }
+
+// A rank without data before DDP has rebuilt its buckets (rank 0, whose order every rank would take) and after.
+INSTANTIATE_TEST_SUITE_P(EarlyJoins, EngineLoop,
+                         testing::Combine(testing::Values("ddp+early", "zero1+early"), testing::Values(3)),
+                         [](const auto& info) {
+                           std::string name = std::get<0>(info.param);
+                           for (auto& ch : name) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           return fmt::format("{}_N{}", name, std::get<1>(info.param));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Engines, EngineLoop,
                          testing::Combine(testing::Values("local", "ddp", "fsdp-full", "fsdp-grad-op",

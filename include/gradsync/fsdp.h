@@ -14,7 +14,7 @@
 // memory() and traffic(); a training loop written for one engine runs this one unchanged.
 //
 // One unit's life in a FULL_SHARD step (a unit is a group of children chosen by the wrap policy; its parameters
-// are one flat buffer, see flat_param.h):
+// are one flat buffer, src/shard/flat_param.h):
 //   forward   all-gather -> run the unit's children -> free (reshard); a hook goes on the unit's output
 //   backward  output hook: all-gather again, allocate the unsharded gradient buffer
 //             AccumulateGrad fills it; when the unit's last parameter gradient is in: x 1/N, reduce-scatter (SUM),

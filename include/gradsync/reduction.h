@@ -11,7 +11,7 @@ namespace gradsync {
 //  - dividing before the sum keeps magnitudes bounded (a SUM of N large gradients could overflow fp16);
 //  - Gloo in libtorch 1.13 has no ReduceOp::AVG, so a post-divide would be an extra pass anyway.
 // Sum skips the scaling. Neither divides by the number of accumulation micro-steps: that scaling belongs to the
-// loss (see accumulate.h), because .grad sums over backward passes.
+// loss (see accumulate() in engine.h), because .grad sums over backward passes.
 //
 // GlobalMean is the gradient of the mean loss over every item (sample, token) that took part in the step, on
 // every rank and in every micro-batch, whatever their counts. Each rank backpropagates SUMMED losses, so .grad

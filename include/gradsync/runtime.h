@@ -73,7 +73,7 @@ class World {
 
 // Reads and validates the environment (ConfigError before any socket is opened), connects to the store
 // (GRADSYNC_STORE_FILE's FileStore, else a TCPStore at MASTER_ADDR:MASTER_PORT served by rank 0), checks
-// that ranks are distinct and agree on the world size (see rendezvous.h), then creates a ProcessGroupGloo.
+// that ranks are distinct and agree on the world size (src/runtime/rendezvous.h), then creates a ProcessGroupGloo.
 std::shared_ptr<World> init(const InitOptions& options = {});
 
 // The same on a store the caller made (tests: a FileStore in a temp dir).

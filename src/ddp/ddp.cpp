@@ -25,14 +25,13 @@ bool DistributedDataParallel::require_sync() const { return reducer_->require_ba
 void DistributedDataParallel::set_require_sync(bool sync) { reducer_->require_backward_sync = sync; }
 std::vector<torch::Tensor> DistributedDataParallel::parameters() const { return reducer_->params; }
 
+// In place: the gradients stay allocated (and may be bucket views), so memory() measures them whenever it is asked;
+// nothing is sampled on the step's hot path.
 void DistributedDataParallel::zero_grad() {
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& param : reducer_->params) {
-      if (param.grad().defined()) param.mutable_grad().zero_();
-    }
+  torch::NoGradGuard no_grad;
+  for (auto& param : reducer_->params) {
+    if (param.grad().defined()) param.mutable_grad().zero_();
   }
-  reducer_->sample_memory();
 }
 
 double DistributedDataParallel::clip_grad_norm(double max_norm, double norm_type) {

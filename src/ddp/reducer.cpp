@@ -1,6 +1,7 @@
 // The DDP gradient engine (see reducer.h; one gradient's path is drawn in ddp.h).
 #include "ddp/reducer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <optional>
@@ -161,7 +162,7 @@ void Reducer::finalize(bool joined) {
     throw;
   }
   reset();
-  sample_memory();
+  synced_once = true;
   if (!joined && !unused.empty() && !options.find_unused_parameters) {
     std::vector<std::string> unused_names;
     for (size_t i : unused) unused_names.push_back(names[i]);
@@ -210,16 +211,22 @@ void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
 }
 
 // PyTorch rebuilds its buckets once, before the forward that follows the first synchronised backward, in the
-// order gradients became ready; rank 0's order is broadcast so every rank uses the same layout.
+// order gradients became ready; rank 0's order is broadcast so every rank uses the same layout. Every rank takes
+// that decision at the same forward, whether or not it had data in that backward (a rank that joined has no order
+// of its own and receives rank 0's): one side deciding alone would leave the other waiting in the broadcast. If
+// rank 0 itself joined, it has no order to give, and every rank keeps the initial layout.
 void Reducer::maybe_rebuild_buckets() {
-  if (rebuilt || options.find_unused_parameters || ready_order.size() != params.size()) return;
-  auto order = torch::tensor(std::vector<int64_t>(ready_order.begin(), ready_order.end()), torch::kLong);
+  if (rebuilt || options.find_unused_parameters || !synced_once) return;
+  std::vector<int64_t> mine(params.size(), -1);
+  if (ready_order.size() == params.size()) std::copy(ready_order.begin(), ready_order.end(), mine.begin());
+  auto order = torch::tensor(mine, torch::kLong);
   if (size() > 1) world->comm().broadcast(order, /*root=*/0);
+  rebuilt = true;
+  ready_order.clear();
+  if (params.empty() || order[0].item<int64_t>() < 0) return;
   std::vector<size_t> agreed(params.size());
   for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[static_cast<int64_t>(i)].item<int64_t>());
   build_buckets(rebuilt_bucket_layout(params, agreed, options.first_bucket_bytes, options.bucket_cap_bytes));
-  rebuilt = true;
-  ready_order.clear();
 }
 
 void Reducer::set_up(const std::shared_ptr<Reducer>& self) {

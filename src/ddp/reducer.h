@@ -53,6 +53,7 @@ class Reducer {
   bool callback_queued = false;
   size_t next_launch = 0;              // buckets launch strictly in index order on every rank
   bool rebuilt = false;                // the layout follows the observed gradient order (once)
+  bool synced_once = false;            // a synchronised backward (or a join) has completed
   std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
   std::optional<int64_t> global_items; // Reduction::GlobalMean: items in this step over all ranks
   Clock::time_point backward_start;

@@ -15,10 +15,7 @@ std::vector<torch::Tensor> LocalEngine::parameters() const {
   return out;
 }
 
-void LocalEngine::zero_grad() {
-  module_->zero_grad(/*set_to_none=*/false);
-  sample_memory();
-}
+void LocalEngine::zero_grad() { module_->zero_grad(/*set_to_none=*/false); }  // memory() measures when asked
 
 double LocalEngine::clip_grad_norm(double max_norm, double norm_type) {
   return gradsync::clip_grad_norm(parameters(), max_norm, norm_type, /*spread_over=*/nullptr);
