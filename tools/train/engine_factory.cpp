@@ -9,6 +9,7 @@
 #include "gradsync/fsdp.h"
 #include "gradsync/local.h"
 #include "gradsync/zero.h"
+#include "train/flag.h"
 #include "train/train.h"
 
 namespace gradsync::cli {
@@ -19,16 +20,6 @@ ShardingStrategy sharding_of(Strategy strategy) {
     case Strategy::FsdpFull: return ShardingStrategy::FullShard;
     case Strategy::FsdpGradOp: return ShardingStrategy::ShardGradOp;
     default: return ShardingStrategy::NoShard;
-  }
-}
-
-// Parses a flag's value with the library's parser; a ConfigError then names the flag that carried it.
-template <typename Parse>
-auto parse_flag(const std::string& flag, const std::string& value, Parse&& parse) {
-  try {
-    return parse(value);
-  } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("{}: {}", flag, e.what()));
   }
 }
 

@@ -19,6 +19,7 @@
 #include "launch/launch.h"
 #include "launch/spawn.h"
 #include "train/engine_factory.h"
+#include "train/flag.h"
 #include "train/resource_report.h"
 #include "train/schedule.h"
 #include "train/train_step.h"
@@ -87,9 +88,9 @@ int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
 }  // namespace
 
 void validate(const TrainConfig& c, int world_size) {
-  parse_model_spec(c.model);
-  parse_loss_kind(c.loss);
-  parse_reduction(c.reduction);
+  parse_flag("--model", c.model, parse_model_spec);
+  parse_flag("--loss", c.loss, parse_loss_kind);
+  parse_flag("--reduction", c.reduction, parse_reduction);
   validate_sharding_flags(c);
   if (c.strategy == Strategy::Local && world_size > 1) {
     throw ConfigError(fmt::format("--strategy local runs one process, but the world size is {}; use --strategy "
