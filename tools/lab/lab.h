@@ -7,6 +7,7 @@
 //   lab_rank.cpp         the hidden `gradsync lab-rank` subcommand: one DDP (and FSDP) rank, started through
 //                        launch()
 //   lab_report.cpp       terminal table, JSON, CSV files, gnuplot plots
+//   lab_claims.cpp       the claims table: statements about sum or mean, each graded by the experiment deciding it
 //   lab_answer.cpp       the answer, in English and Korean, written from the verdicts
 //   lab_markdown.cpp     report.md
 //
@@ -87,6 +88,17 @@ struct AccumulationResult {
   double scaled_to_mean = 0;  // max |accumulate() (loss/K) - g|
   std::string raw_verdict;     // "sum" when raw ~ K*g and not g
   std::string scaled_verdict;  // "mean" when the loss/K gradient ~ g
+  // Dividing the accumulated .grad by K afterwards (DeepSpeed's division by gradient_accumulation_steps) instead
+  // of each micro-batch loss (accumulate()). Equal micro-batches: the same K x b samples as above.
+  double divided_to_scaled = 0;  // max |raw/K - accumulate()'s gradient|
+  double divided_to_mean = 0;    // max |raw/K - g|
+  // Unequal micro-batches: the same K x b samples split into K micro-batches of sizes proportional to 1..K.
+  std::vector<int64_t> unequal_sizes;
+  double unequal_divided_to_mean = 0;         // max |raw/K - gradient of the mean over all K x b samples|
+  double unequal_divided_to_micro_means = 0;  // max |raw/K - mean over k of the micro-batch mean gradients|
+  double unequal_global_to_mean = 0;          // max |(summed losses)/(K x b) - gradient of the mean over all|
+  std::string divided_verdict;          // "mean" when raw/K ~ g on equal micro-batches and not the raw sum
+  std::string unequal_divided_verdict;  // "mean of micro-batch means", "sample mean" or "neither"
   double seconds = 0;
 };
 
@@ -102,6 +114,26 @@ struct RankGradients {
   double synced_to_rank0 = 0;  // after sync every rank must hold the same gradient
   double local_probe = 0;      // one gradient element (probe_name) before and after sync
   double synced_probe = 0;
+};
+
+// FullyShardedDataParallel (FullShard) with K micro-batches per rank on the even shares, in both accumulation
+// modes: the gradient one SGD step (lr = 1) applied, against the single-process gradients of the same samples.
+struct FsdpAccumulationResult {
+  int64_t micro_batches = 0;  // K
+  int64_t micro_batch = 0;    // samples per micro-batch on every rank
+  double full_to_mean = 0;    // ShardedAccumulation::UnshardedGradients (no_sync): max |applied - mean|
+  double full_to_sum = 0;     //   min over ranks of max |applied - sum over ranks of their mean gradients|
+  double sharded_to_mean = 0;  // ShardedAccumulation::ReduceEveryMicroStep
+  double sharded_to_sum = 0;
+  std::string verdict;  // "mean" when both modes give the mean and not the sum, "sum" or "neither"
+};
+
+// DDP (Reduction::Mean) when every rank's loss is the SUM over its samples (`--loss-reduction sum`).
+struct SummedLossResult {
+  double to_sum_over_n = 0;  // max over ranks of max |synced - (1/N) grad of the summed loss of the global batch|
+  double to_sum = 0;         // min over ranks of max |synced - grad of the summed loss of the global batch|
+  double max_abs = 0;        // max |grad of the summed loss| / N: the scale
+  std::string verdict;       // "sum / N", "sum" or "neither"
 };
 
 struct DdpResult {
@@ -123,6 +155,8 @@ struct DdpResult {
   double fsdp_between_ranks = 0;    // max |fsdp - rank 0's|
   std::string fsdp_verdict;         // "mean", "sum" or "neither"
   std::string fsdp_note;
+  FsdpAccumulationResult fsdp_accumulation;
+  SummedLossResult summed_loss;
   double seconds = 0;
 };
 
@@ -142,6 +176,21 @@ struct UnevenResult {
   std::string global_verdict;           // "sample mean", "mean of per-rank means" or "neither"
 };
 
+// One statement about sum or mean (from the three answers to the question, or a belief users repeat), graded by
+// the experiment that decides it: its deviation from what the statement predicts and from the alternative.
+struct ClaimResult {
+  std::string id;          // "ddp-sums"
+  std::string source;      // "answer 1", "answer 2", "answer 3", "common belief"
+  std::string claim_en, claim_ko;
+  std::string experiment;  // which measurement decides it
+  std::string measured;    // its figures, e.g. "N=2: 1.1e-08 vs 3.5e-02; N=4: 9.3e-09 vs 1.0e-01"
+  double deviation_true = 0;   // from what the claim predicts (the largest over the cases)
+  double deviation_false = 0;  // from the alternative (the smallest over the cases)
+  double tolerance = 0;
+  std::string verdict;     // "true", "false", "true only when ...", "inconclusive"
+  std::string verdict_ko;
+};
+
 struct PlotStatus {
   bool rendered = false;
   std::string message;              // why not, or the gnuplot error
@@ -155,6 +204,7 @@ struct LabResults {
   AccumulationResult accumulation;
   std::vector<DdpResult> ddp;
   std::vector<UnevenResult> uneven;
+  std::vector<ClaimResult> claims;  // graded from everything above (lab_claims.cpp)
   PlotStatus plots;
   std::vector<std::string> files;  // everything written to the out dir
   double seconds = 0;
@@ -184,6 +234,11 @@ std::vector<int64_t> uneven_split(int64_t global, int world_size);
 DdpResult analyse_ddp(const LabConfig& config, int world_size, const std::string& rank_dir,
                       const std::string& init_state, const std::string& batch_file, UnevenResult* uneven);
 
+// ---- claims (lab_claims.cpp) --------------------------------------------------------------------------------
+
+// Every claim of the claims table graded against the results (which must be complete).
+std::vector<ClaimResult> grade_claims(const LabResults& results);
+
 // ---- one DDP rank (lab_rank.cpp) --------------------------------------------------------------------------
 
 struct LabRankArgs {
@@ -192,6 +247,7 @@ struct LabRankArgs {
   std::string batch_file;
   std::string model;
   int64_t global_batch = 0;  // already a multiple of the world size
+  int64_t accumulate = 1;    // K micro-batches per rank in the FSDP accumulation measurement
   double timeout_seconds = 120;
 };
 // Joins the job from the launcher's environment; with DistributedDataParallel (Reduction::Mean, the default)
