@@ -1,10 +1,12 @@
-// `gradsync lab --quick --json` end to end (tools/lab*.cpp): the real CLI on Fashion-MNIST, starting its own DDP
+// `gradsync lab --quick --json` end to end (tools/lab/): the real CLI on Fashion-MNIST, starting its own DDP
 // ranks. The test asserts what the lab measured, not only that it ran: DDP's gradient is the single-process mean
 // at every world size and (N >= 2) not the sum; K backward passes sum; the loss is a per-sample mean; uneven
 // per-rank batches give the mean of the per-rank means with Reduction::Mean and the mean over all samples with
-// Reduction::GlobalMean; FSDP (full shard) applies the mean at every world size; the plots are real PNG files.
+// Reduction::GlobalMean; FSDP (full shard) applies the mean at every world size; the claims table grades the
+// statements about sum or mean as the figures say; the plots are real PNG files.
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 
@@ -119,10 +121,47 @@ void check_sharded(const nlohmann::json& json) {
   EXPECT_EQ(seen, (std::set<int>{1, 2, 4}));
 }
 
+// The claims table: every statement graded, and the ones the question is about decided by figures that lie orders
+// of magnitude apart, on both sides of the tolerance, at world sizes 2 and 4.
+void check_claims(const nlohmann::json& json) {
+  const double tol = json.at("tolerance").get<double>();
+  const std::map<std::string, std::string> expected{
+      {"ddp-averages", "true"}, {"ddp-sums", "false"}, {"loss-sums", "false"}, {"weighted-by-batch", "false"},
+      {"no-division", "false"}, {"deepspeed-divides", "true only when"}, {"fsdp-averages", "true"},
+      {"more-samples-count-more", "true only when"}, {"summed-loss-sums", "false"}};
+  std::set<std::string> seen;
+  for (const auto& c : json.at("claims")) {
+    const auto id = c.at("id").get<std::string>();
+    SCOPED_TRACE("claim " + id);
+    seen.insert(id);
+    ASSERT_TRUE(expected.count(id));
+    const auto verdict = c.at("verdict").get<std::string>();
+    EXPECT_EQ(verdict.rfind(expected.at(id), 0), 0u) << verdict << "; " << c.at("measured");
+    EXPECT_FALSE(c.at("claim").get<std::string>().empty());
+    EXPECT_FALSE(c.at("claim_ko").get<std::string>().empty());
+    EXPECT_FALSE(c.at("source").get<std::string>().empty());
+    const double to_claim = c.at("deviation_from_claim").get<double>();
+    const double to_alternative = c.at("deviation_from_alternative").get<double>();
+    const bool refuted = verdict == "false";
+    const double near = refuted ? to_alternative : to_claim, far = refuted ? to_claim : to_alternative;
+    EXPECT_LT(near, tol);
+    EXPECT_GT(far, tol);
+    EXPECT_GE(far, 100 * near) << "the hypotheses are not orders of magnitude apart";
+  }
+  EXPECT_EQ(seen.size(), expected.size());
+  for (const auto& c : json.at("claims")) {
+    const auto id = c.at("id").get<std::string>();
+    if (id != "ddp-averages" && id != "ddp-sums" && id != "weighted-by-batch") continue;
+    const auto measured = c.at("measured").get<std::string>();
+    EXPECT_NE(measured.find("N=2"), std::string::npos) << id << ": " << measured;
+    EXPECT_NE(measured.find("N=4"), std::string::npos) << id << ": " << measured;
+  }
+}
+
 void check_files(const nlohmann::json& json, const std::string& dir) {
   auto report = [&](const std::string& name) { return dir + "/" + name; };
   ASSERT_TRUE(json.at("plots").at("rendered").get<bool>()) << json.at("plots").dump();
-  for (const char* png : {"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png"}) {
+  for (const char* png : {"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png", "claims.png"}) {
     std::ifstream in(report(png), std::ios::binary);
     ASSERT_TRUE(in) << png;
     std::string head(8, '\0');
@@ -136,6 +175,12 @@ void check_files(const nlohmann::json& json, const std::string& dir) {
   std::string text((std::istreambuf_iterator<char>(md)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("## Answer"), std::string::npos);
   EXPECT_NE(text.find("## 답변"), std::string::npos);
+  // The claims table in both languages, and its plot.
+  EXPECT_NE(text.find("| claim | source | verdict |"), std::string::npos);
+  EXPECT_NE(text.find("| 주장 | 출처 | 판정 |"), std::string::npos);
+  EXPECT_NE(text.find("DDP and FSDP sum the per-process gradients. | answer 2 | **false**"), std::string::npos);
+  EXPECT_NE(text.find("| **거짓** |"), std::string::npos);
+  EXPECT_NE(text.find("![every claim"), std::string::npos);
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(report("results.json"))).at("ddp"), json.at("ddp"));
 }
 
@@ -168,6 +213,10 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
   {
     SCOPED_TRACE("sharded");
     check_sharded(json);
+  }
+  {
+    SCOPED_TRACE("claims");
+    check_claims(json);
   }
   {
     SCOPED_TRACE("files");

@@ -162,6 +162,7 @@ int run_lab(const LabCli& cli) {
     results.ddp.push_back(run_ddp(c, n, scratch, &uneven));
     if (n >= 2) results.uneven.push_back(uneven);
   }
+  results.claims = grade_claims(results);
   results.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   fmt::print(stderr, "[lab] writing {}/\n", c.out_dir);
   write_report(results);

@@ -8,6 +8,7 @@
 //                        launch()
 //   lab_report.cpp       terminal table, JSON, CSV files, gnuplot plots
 //   lab_claims.cpp       the claims table: statements about sum or mean, each graded by the experiment deciding it
+//   lab_claims_report.cpp  the claims in the table, JSON, CSV, plot and report.md
 //   lab_answer.cpp       the answer, in English and Korean, written from the verdicts
 //   lab_markdown.cpp     report.md
 //
@@ -92,6 +93,7 @@ struct AccumulationResult {
   // of each micro-batch loss (accumulate()). Equal micro-batches: the same K x b samples as above.
   double divided_to_scaled = 0;  // max |raw/K - accumulate()'s gradient|
   double divided_to_mean = 0;    // max |raw/K - g|
+  double divided_to_raw = 0;     // max |raw/K - raw|: how far dividing moved it from the undivided sum
   // Unequal micro-batches: the same K x b samples split into K micro-batches of sizes proportional to 1..K.
   std::vector<int64_t> unequal_sizes;
   double unequal_divided_to_mean = 0;         // max |raw/K - gradient of the mean over all K x b samples|
@@ -238,6 +240,13 @@ DdpResult analyse_ddp(const LabConfig& config, int world_size, const std::string
 
 // Every claim of the claims table graded against the results (which must be complete).
 std::vector<ClaimResult> grade_claims(const LabResults& results);
+// The claims in the lab's outputs (lab_claims_report.cpp): the terminal section, the JSON list, claims.csv and
+// claims.dat, the claims.png part of plots.gp, and the report.md table in "en" or "ko".
+std::string claims_table(const LabResults& results);
+nlohmann::ordered_json claims_json(const LabResults& results);
+std::pair<std::string, std::string> claims_data(const LabResults& results);
+std::string claims_gnuplot(const LabResults& results);
+std::string claims_markdown(const LabResults& results, const std::string& language);
 
 // ---- one DDP rank (lab_rank.cpp) --------------------------------------------------------------------------
 
@@ -269,6 +278,9 @@ nlohmann::ordered_json to_json(const LabResults& results);
 // One row per experiment: what was measured, the figure, the verdict.
 using ResultRow = std::array<std::string, 3>;
 std::vector<ResultRow> result_rows(const LabResults& results);
+// Experiment-table rows of the measurements only the claims use (divided accumulation, FSDP accumulation, DDP
+// with a summed loss).
+std::vector<ResultRow> claim_experiment_rows(const LabResults& results);
 std::string format_table(const LabResults& results);
 // The answer to the question, one paragraph per experiment, written from the verdicts and numbers:
 // language "en" or "ko". answer_text joins the paragraphs with newlines.

@@ -75,6 +75,8 @@ std::vector<ResultRow> result_rows(const LabResults& r) {
                                 sci(d.fsdp_to_mean), sci(d.fsdp_to_sum)),
                     d.fsdp_note.empty() ? d.fsdp_verdict : fmt::format("{} ({})", d.fsdp_verdict, d.fsdp_note)});
   }
+  const auto more = claim_experiment_rows(r);
+  rows.insert(rows.end(), more.begin(), more.end());
   return rows;
 }
 
@@ -157,6 +159,9 @@ void write_data(OutDir& out, const LabResults& r) {
                           u.global_between_ranks, u.global_items, u.global_verdict);
   }
   out.write("uneven.csv", uneven);
+  const auto [claims_csv, claims_dat] = claims_data(r);
+  out.write("claims.csv", claims_csv);
+  out.write("claims.dat", claims_dat);
 }
 
 std::string gnuplot_script(const LabResults& r) {
@@ -209,7 +214,8 @@ plot "ddp_ranks.dat" using ($0-0.19):(v($2)):xtic(1) with boxes lc rgb "#dd6b20"
      {tol:g} with lines dt 2 lw 2 lc rgb "black" title "tolerance {tol:g}"
 )gp",
                      fmt::arg("model", c.model), fmt::arg("data", c.data), fmt::arg("lr", c.lr),
-                     fmt::arg("last_column", r.loss.runs.size() + 1), fmt::arg("tol", c.tolerance));
+                     fmt::arg("last_column", r.loss.runs.size() + 1), fmt::arg("tol", c.tolerance)) +
+         claims_gnuplot(r);
 }
 
 // `gnuplot plots.gp` in `dir`, its output into dir/gnuplot.log; returns the wait status.
@@ -255,10 +261,11 @@ void render_plots(OutDir& out, LabResults& r) {
     p.message = fmt::format("gnuplot failed (status {}): {}", status, text.substr(0, 2000));
     return;
   }
-  for (const char* png : {"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png"}) {
-    if (fs::exists(out.dir() + "/" + png)) p.files.emplace_back(png);
+  const std::vector<std::string> pngs{"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png", "claims.png"};
+  for (const auto& png : pngs) {
+    if (fs::exists(out.dir() + "/" + png)) p.files.push_back(png);
   }
-  p.rendered = p.files.size() == 3;
+  p.rendered = p.files.size() == pngs.size();
   if (!p.rendered) p.message = "gnuplot ran but did not write every PNG: " + text.substr(0, 2000);
   r.files.insert(r.files.end(), p.files.begin(), p.files.end());
 }
@@ -280,7 +287,7 @@ std::string format_table(const LabResults& r) {
   text += line({"experiment", "measured", "verdict"});
   text += line({std::string(width[0], '-'), std::string(width[1], '-'), std::string(width[2], '-')});
   for (const auto& row : rows) text += line(row);
-  return text;
+  return text + claims_table(r);
 }
 
 namespace {
@@ -303,7 +310,15 @@ json accumulation_json(const AccumulationResult& a) {
           {"full_batch_norm", a.full_norm}, {"raw_norm", a.raw_norm}, {"raw_ratio", a.raw_ratio},
           {"raw_max_abs_diff_to_sum", a.raw_to_sum}, {"raw_max_abs_diff_to_mean", a.raw_to_mean},
           {"scaled_max_abs_diff_to_mean", a.scaled_to_mean}, {"raw_verdict", a.raw_verdict},
-          {"scaled_verdict", a.scaled_verdict}, {"seconds", a.seconds}};
+          {"scaled_verdict", a.scaled_verdict},
+          {"divided_by_k", {{"max_abs_diff_to_scaled", a.divided_to_scaled}, {"max_abs_diff_to_mean", a.divided_to_mean},
+                            {"max_abs_diff_to_undivided", a.divided_to_raw}, {"verdict", a.divided_verdict}}},
+          {"unequal_micro_batches", {{"sizes", a.unequal_sizes},
+                                     {"divided_max_abs_diff_to_sample_mean", a.unequal_divided_to_mean},
+                                     {"divided_max_abs_diff_to_mean_of_micro_means", a.unequal_divided_to_micro_means},
+                                     {"global_mean_max_abs_diff_to_sample_mean", a.unequal_global_to_mean},
+                                     {"verdict", a.unequal_divided_verdict}}},
+          {"seconds", a.seconds}};
 }
 
 json rank_json(const RankGradients& g) {
@@ -327,6 +342,9 @@ json ddp_json(const DdpResult& d) {
           {"max_abs_diff_to_sum", d.to_sum}, {"max_abs_diff_between_ranks", d.between_ranks},
           {"mean_gradient_max_abs", d.mean_max_abs}, {"verdict", d.verdict}, {"note", d.note},
           {"probe", {{"parameter", d.probe_name}, {"mean", d.probe_mean}, {"sum", d.probe_sum}}},
+          {"summed_loss", {{"max_abs_diff_to_sum_over_n", d.summed_loss.to_sum_over_n},
+                           {"max_abs_diff_to_sum", d.summed_loss.to_sum}, {"scale", d.summed_loss.max_abs},
+                           {"verdict", d.summed_loss.verdict}}},
           {"ranks", ranks}, {"seconds", d.seconds}};
 }
 
@@ -350,7 +368,14 @@ json sharded_json(const DdpResult& d) {
           {"measured", "initial - updated parameters after one SGD step (lr 1), state_dict()"},
           {"max_abs_diff_to_mean", d.fsdp_to_mean}, {"max_abs_diff_to_sum", d.fsdp_to_sum},
           {"max_abs_diff_between_ranks", d.fsdp_between_ranks}, {"verdict", d.fsdp_verdict},
-          {"note", d.fsdp_note}};
+          {"note", d.fsdp_note},
+          {"accumulation", {{"micro_batches", d.fsdp_accumulation.micro_batches},
+                            {"micro_batch", d.fsdp_accumulation.micro_batch},
+                            {"no_sync", {{"max_abs_diff_to_mean", d.fsdp_accumulation.full_to_mean},
+                                         {"max_abs_diff_to_sum", d.fsdp_accumulation.full_to_sum}}},
+                            {"every_micro_step", {{"max_abs_diff_to_mean", d.fsdp_accumulation.sharded_to_mean},
+                                                  {"max_abs_diff_to_sum", d.fsdp_accumulation.sharded_to_sum}}},
+                            {"verdict", d.fsdp_accumulation.verdict}}}};
 }
 
 // One JSON array: convert(result) for each result, in order.
@@ -380,6 +405,7 @@ nlohmann::ordered_json to_json(const LabResults& r) {
       {"ddp", json_array(r.ddp, ddp_json)},
       {"uneven", json_array(r.uneven, uneven_json)},
       {"sharded", json_array(r.ddp, sharded_json)},
+      {"claims", claims_json(r)},
       {"answer", {{"en", answer_text(r, "en")}, {"ko", answer_text(r, "ko")}}},
       {"out_dir", c.out_dir},
       {"plots", {{"rendered", r.plots.rendered}, {"files", r.plots.files}, {"message", r.plots.message}}},
