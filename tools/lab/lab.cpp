@@ -42,8 +42,9 @@ void validate(const LabConfig& c) {
     if (n < 1 || n > kMaxWorldSize) {
       throw ConfigError(fmt::format("--world-sizes: {} is out of range; expected 1..{}", n, kMaxWorldSize));
     }
-    if (c.ddp_batch / n < 1) {
-      throw ConfigError(fmt::format("--world-sizes: {} ranks cannot share a global batch of {}", n, c.ddp_batch));
+    if (c.ddp_batch / n < std::max<int64_t>(c.accumulate, 1)) {
+      throw ConfigError(fmt::format("--world-sizes: {} ranks cannot share a global batch of {} in {} micro-batches "
+                                    "each", n, c.ddp_batch, c.accumulate));
     }
   }
   if (std::set<int>(c.world_sizes.begin(), c.world_sizes.end()).size() != c.world_sizes.size()) {
@@ -86,7 +87,8 @@ DdpResult run_ddp(const LabConfig& c, int n, const ScratchDir& scratch, UnevenRe
   options.nproc = n;
   options.command = {self_executable(), "lab-rank", "--out", rank_dir, "--init", scratch.file("init.pt"),
                      "--batch", scratch.file("batch.pt"), "--model", c.model, "--global-batch",
-                     std::to_string(global), "--timeout", fmt::format("{}", c.rank_timeout_seconds)};
+                     std::to_string(global), "--accumulate", std::to_string(c.accumulate), "--timeout",
+                     fmt::format("{}", c.rank_timeout_seconds)};
   const int status = launch(options);
   if (status != 0) {
     throw Error(fmt::format("lab: the DDP ranks at world size {} failed (exit status {}; their errors are above)",
@@ -103,6 +105,15 @@ DdpResult run_ddp(const LabConfig& c, int n, const ScratchDir& scratch, UnevenRe
   fmt::print(stderr, "[lab]   FSDP full-shard: max |diff| to the mean {:.1e}, to the sum {:.1e}: {}{}\n",
              result.fsdp_to_mean, result.fsdp_to_sum, result.fsdp_verdict,
              result.fsdp_note.empty() ? "" : " (" + result.fsdp_note + ")");
+  const auto& fa = result.fsdp_accumulation;
+  fmt::print(stderr, "[lab]   FSDP, K = {} micro-batches of {}: unsharded gradients {:.1e} from the mean, {:.1e} "
+             "from the sum; reduce every micro-step {:.1e}, {:.1e}: {}{}\n", fa.micro_batches, fa.micro_batch,
+             fa.full_to_mean, fa.full_to_sum, fa.sharded_to_mean, fa.sharded_to_sum, fa.verdict,
+             fa.note.empty() ? "" : " (" + fa.note + ")");
+  const auto& sl = result.summed_loss;
+  fmt::print(stderr, "[lab]   DDP, summed loss (max |G/N| {:.3g}): max |diff| to G/N {:.1e}, to G {:.1e}; relative "
+             "{:.1e}, {:.1e}: {}{}\n", sl.max_abs, sl.to_sum_over_n, sl.to_sum, sl.to_sum_over_n / sl.max_abs,
+             sl.to_sum / sl.max_abs, sl.verdict, sl.note.empty() ? "" : " (" + sl.note + ")");
   return result;
 }
 

@@ -4,6 +4,8 @@
 //   lab.cpp              the command: options, the order of the experiments, progress, output files
 //   lab_experiments.cpp  loss vs batch size and accumulation (in this process), the DDP analysis (the single
 //                        process reference against what the ranks measured)
+//   lab_analysis.cpp     accumulation divided by K afterwards, FSDP with accumulation, DDP with summed losses
+//                        (their single-process references; lab_analysis.h, shared with lab_experiments.cpp)
 //   lab_rank.cpp         the hidden `gradsync lab-rank` subcommand: one DDP (and FSDP) rank, started through
 //                        launch()
 //   lab_report.cpp       terminal table, JSON, CSV files, gnuplot plots
@@ -127,7 +129,9 @@ struct FsdpAccumulationResult {
   double full_to_sum = 0;     //   min over ranks of max |applied - sum over ranks of their mean gradients|
   double sharded_to_mean = 0;  // ShardedAccumulation::ReduceEveryMicroStep
   double sharded_to_sum = 0;
+  double between_ranks = 0;   // max over both modes of max |applied - rank 0's|
   std::string verdict;  // "mean" when both modes give the mean and not the sum, "sum" or "neither"
+  std::string note;     // "N=1: sum = mean", or why the verdict is "neither"
 };
 
 // DDP (Reduction::Mean) when every rank's loss is the SUM over its samples (`--loss-reduction sum`).
@@ -135,7 +139,10 @@ struct SummedLossResult {
   double to_sum_over_n = 0;  // max over ranks of max |synced - (1/N) grad of the summed loss of the global batch|
   double to_sum = 0;         // min over ranks of max |synced - grad of the summed loss of the global batch|
   double max_abs = 0;        // max |grad of the summed loss| / N: the scale
+  // The verdict compares to_sum_over_n / max_abs and to_sum / max_abs with the tolerance: summed gradients, and
+  // their float32 rounding, are B/N times larger than mean ones.
   std::string verdict;       // "sum / N", "sum" or "neither"
+  std::string note;          // "N=1: sum / N = sum"
 };
 
 struct DdpResult {

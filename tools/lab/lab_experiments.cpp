@@ -8,21 +8,19 @@
 #include <tuple>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "gradsync/engine.h"
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "lab/lab.h"
+#include "lab/lab_analysis.h"
 #include "data/models.h"
 #include "train/train.h"
 
 namespace gradsync::cli {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+namespace lab_detail {
 
 torch::Tensor mean_loss(torch::nn::Sequential& model, const torch::Tensor& x, const torch::Tensor& y) {
   return torch::nn::functional::cross_entropy(model->forward(x), y);
@@ -44,19 +42,6 @@ std::string decide(double to_first, double to_second, double tol, const std::str
   return neither;
 }
 
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("lab: cannot read {}: a rank finished without writing its measurements", path));
-  return nlohmann::json::parse(in);
-}
-
-torch::Tensor find_tensor(const StateDict& state, const std::string& key, const std::string& path) {
-  for (const auto& [name, tensor] : state) {
-    if (name == key) return tensor;
-  }
-  throw Error(fmt::format("lab: {} has no tensor '{}'", path, key));
-}
-
 // The gradients of the per-sample mean loss of each rank's shard, in this one process.
 std::vector<torch::Tensor> shard_gradients(torch::nn::Sequential& model, const torch::Tensor& x,
                                            const torch::Tensor& y, const std::vector<int64_t>& sizes) {
@@ -73,6 +58,38 @@ torch::Tensor sum_of(const std::vector<torch::Tensor>& grads) {
   auto total = torch::zeros_like(grads.front(), torch::kDouble);
   for (const auto& g : grads) total += g.to(torch::kDouble);
   return total;
+}
+
+// The rule every DDP and FSDP row is judged by: every rank must hold the same gradient (`between` < tol); then
+// the largest distance over the ranks to the mean (`to_mean`) and the smallest to the sum (`to_sum`) decide. One
+// rank: the sum of one gradient is that gradient, so no measurement can tell sum from mean there.
+Verdict mean_or_sum(int n, double to_mean, double to_sum, double between, double tol, const char* disagree_note) {
+  if (n == 1) return {to_mean < tol ? "mean" : "neither", "N=1: sum = mean"};
+  if (between >= tol) return {"neither", disagree_note};
+  return {decide(to_mean, to_sum, tol, "mean", "sum", "neither"), ""};
+}
+
+}  // namespace lab_detail
+
+using namespace lab_detail;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("lab: cannot read {}: a rank finished without writing its measurements", path));
+  return nlohmann::json::parse(in);
+}
+
+torch::Tensor find_tensor(const StateDict& state, const std::string& key, const std::string& path) {
+  for (const auto& [name, tensor] : state) {
+    if (name == key) return tensor;
+  }
+  throw Error(fmt::format("lab: {} has no tensor '{}'", path, key));
 }
 
 }  // namespace
@@ -204,9 +221,15 @@ AccumulationResult run_accumulation(const LabConfig& lab, const std::string& ini
   r.raw_verdict = decide(r.raw_to_sum, r.raw_to_mean, lab.tolerance, "sum", "mean", "neither");
   r.scaled_verdict = decide(r.scaled_to_mean, max_abs_diff(scaled, full * static_cast<double>(k)), lab.tolerance,
                             "mean", "sum", "neither");
+  measure_divided(r, model, x, y, raw, scaled, full, lab.tolerance);
   r.seconds = seconds_since(start);
   fmt::print(stderr, "[lab]   raw |.grad| / |g| = {:.4f}; loss/K: max |diff| to g {:.1e}  ({:.1f} s)\n", r.raw_ratio,
              r.scaled_to_mean, r.seconds);
+  fmt::print(stderr, "[lab]   .grad / K afterwards: max |diff| to loss/K {:.1e}, to g {:.1e}: {}\n",
+             r.divided_to_scaled, r.divided_to_mean, r.divided_verdict);
+  fmt::print(stderr, "[lab]   unequal micro-batches {}: .grad / K {:.1e} from g, {:.1e} from the mean of micro-batch "
+             "means ({}); summed / {} {:.1e} from g\n", fmt::join(r.unequal_sizes, "+"), r.unequal_divided_to_mean,
+             r.unequal_divided_to_micro_means, r.unequal_divided_verdict, k * b, r.unequal_global_to_mean);
   return r;
 }
 
@@ -277,20 +300,6 @@ RankGradients rank_gradients(const RankFiles& files, int r, const Reference& ref
   g.local_probe = local[probe].item<double>();
   g.synced_probe = synced[probe].item<double>();
   return g;
-}
-
-struct Verdict {
-  std::string verdict;  // "mean", "sum" or "neither"
-  std::string note;
-};
-
-// The rule every DDP and FSDP row is judged by: every rank must hold the same gradient (`between` < tol); then
-// the largest distance over the ranks to the mean (`to_mean`) and the smallest to the sum (`to_sum`) decide. One
-// rank: the sum of one gradient is that gradient, so no measurement can tell sum from mean there.
-Verdict mean_or_sum(int n, double to_mean, double to_sum, double between, double tol, const char* disagree_note) {
-  if (n == 1) return {to_mean < tol ? "mean" : "neither", "N=1: sum = mean"};
-  if (between >= tol) return {"neither", disagree_note};
-  return {decide(to_mean, to_sum, tol, "mean", "sum", "neither"), ""};
 }
 
 void judge_ddp(DdpResult& d, double tol) {
@@ -386,6 +395,9 @@ DdpResult analyse_ddp(const LabConfig& lab, int n, const std::string& rank_dir, 
   judge_ddp(d, lab.tolerance);
   judge_fsdp(d, files, ref, lab.tolerance);
   if (uneven && n >= 2) analyse_uneven(*uneven, n, d.global_batch, files, ref, lab.tolerance);
+  const RankTensor tensor = [&files](int r, const std::string& key) { return files.tensor(r, key); };
+  d.fsdp_accumulation = analyse_fsdp_accumulation(ref.model, ref.x, ref.y, n, lab.accumulate, tensor, lab.tolerance);
+  d.summed_loss = analyse_summed_loss(ref.model, ref.x, ref.y, n, tensor, lab.tolerance);
   return d;
 }
 

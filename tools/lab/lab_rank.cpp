@@ -5,14 +5,16 @@
 // a second copy of the model under DDP with Reduction::GlobalMean (accumulate_global_mean, the summed loss of
 // its share and its sample count). On the even shares it finally measures FullyShardedDataParallel (FullShard):
 // one forward/backward and one SGD step (lr = 1) on this rank's shards; initial - updated parameters, gathered
-// with state_dict(), is the gradient FSDP applied. It writes the gradients to rank<r>.pt and its measurements to rank<r>.json;
-// judging them is the parent's work (analyse_ddp), which compares them with gradients it computes itself in one
-// process.
+// with state_dict(), is the gradient FSDP applied; the same with K micro-batches (accumulate()) in both
+// ShardedAccumulation modes; and the gradient of a fresh DDP when the rank's loss is the SUM over its share. It
+// writes the gradients to rank<r>.pt and its measurements to rank<r>.json; judging them is the parent's work
+// (analyse_ddp), which compares them with gradients it computes itself in one process.
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <functional>
 #include <numeric>
 
 #include <CLI/CLI.hpp>
@@ -68,18 +70,16 @@ int64_t measure_global_mean(Ddp& ddp, const torch::Tensor& x, const torch::Tenso
   return step.total_items;
 }
 
-// Adds "<tag>.fsdp_full": the gradient FullyShardedDataParallel (FullShard, Reduction::Mean) applied, read back
-// through the parameters: one SGD step with lr = 1 on this rank's shards moves each parameter by exactly its
-// (sharded, reduced) gradient, so initial - updated, gathered with state_dict(), is that gradient whole.
-void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
-                  const torch::Tensor& y, const std::string& tag, StateDict& out) {
+// The gradient FullyShardedDataParallel (with `options`) applied in one step, read back through the parameters:
+// `backward` fills the shard gradients, one SGD step with lr = 1 moves each parameter by exactly its (sharded,
+// reduced) gradient, so initial - updated, gathered with state_dict(), is that gradient whole, in parameter order.
+torch::Tensor fsdp_applied(const LabRankArgs& a, const std::shared_ptr<World>& world, const FsdpOptions& options,
+                           const std::function<void(FullyShardedDataParallel&)>& backward) {
   auto reference = lab_model(a.model, a.init_state);  // the initial parameters, in parameter order
-  FsdpOptions options;
-  options.strategy = ShardingStrategy::FullShard;
   FullyShardedDataParallel fsdp(lab_model(a.model, a.init_state), world, options);
   torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(1.0));
   fsdp.zero_grad();
-  torch::nn::functional::cross_entropy(fsdp.forward(x), y).backward();
+  backward(fsdp);
   optimizer.step();
   const auto updated = fsdp.state_dict();
   std::vector<torch::Tensor> parts;
@@ -90,7 +90,51 @@ void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, con
     if (it == updated.end()) throw Error(fmt::format("lab-rank: FSDP's full state dict has no '{}'", name));
     parts.push_back((initial.detach() - it->second.detach().to(initial.dtype())).flatten());
   }
-  out.emplace_back(tag + ".fsdp_full", torch::cat(parts));
+  return torch::cat(parts);
+}
+
+// Adds "<tag>.fsdp_full": what FSDP (FullShard, Reduction::Mean) applied after one forward/backward.
+void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
+                  const torch::Tensor& y, const std::string& tag, StateDict& out) {
+  FsdpOptions options;
+  options.strategy = ShardingStrategy::FullShard;
+  out.emplace_back(tag + ".fsdp_full", fsdp_applied(a, world, options, [&](FullyShardedDataParallel& fsdp) {
+                     torch::nn::functional::cross_entropy(fsdp.forward(x), y).backward();
+                   }));
+}
+
+// Adds "<tag>.fsdp_accum_full" (ShardedAccumulation::UnshardedGradients) and "<tag>.fsdp_accum_sharded"
+// (ReduceEveryMicroStep): what FSDP applied after accumulate() over K = a.accumulate micro-batches of
+// x.size(0) / K rows each (the first K of them; analyse_ddp's reference uses the same rows).
+void measure_fsdp_accumulation(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
+                               const torch::Tensor& y, const std::string& tag, StateDict& out) {
+  const int64_t k = a.accumulate, b = x.size(0) / k;
+  if (b < 1) {
+    throw ConfigError(fmt::format("lab-rank: {} samples cannot make {} micro-batches", x.size(0), k));
+  }
+  for (const auto& [mode, key] : {std::pair{ShardedAccumulation::UnshardedGradients, ".fsdp_accum_full"},
+                                  std::pair{ShardedAccumulation::ReduceEveryMicroStep, ".fsdp_accum_sharded"}}) {
+    FsdpOptions options;
+    options.strategy = ShardingStrategy::FullShard;
+    options.accumulation = mode;
+    out.emplace_back(tag + key, fsdp_applied(a, world, options, [&](FullyShardedDataParallel& fsdp) {
+                       gradsync::accumulate(fsdp, k, [&](int64_t i) {
+                         return torch::nn::functional::cross_entropy(fsdp.forward(x.narrow(0, i * b, b)),
+                                                                     y.narrow(0, i * b, b));
+                       });
+                     }));
+  }
+}
+
+// Adds "<tag>.ddp_summed_loss": the gradient a fresh DDP (Reduction::Mean) leaves in .grad when this rank's loss
+// is the SUM of its samples' losses.
+void measure_summed_loss(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
+                         const torch::Tensor& y, const std::string& tag, StateDict& out) {
+  namespace F = torch::nn::functional;
+  Ddp ddp(lab_model(a.model, a.init_state), world);
+  ddp.zero_grad();
+  F::cross_entropy(ddp.forward(x), y, F::CrossEntropyFuncOptions().reduction(torch::kSum)).backward();
+  out.emplace_back(tag + ".ddp_summed_loss", flat_gradient(ddp.module()));
 }
 
 }  // namespace
@@ -130,6 +174,8 @@ void run_lab_rank(const LabRankArgs& a) {
   }
   // Sharded: FullyShardedDataParallel (FullShard) over a fresh copy, on the even shares.
   measure_fsdp(a, world, xe, ye, "even", out);
+  measure_fsdp_accumulation(a, world, xe, ye, "even", out);
+  measure_summed_loss(a, world, xe, ye, "even", out);
   save_state_dict(out, lab_rank_tensors(a.out_dir, rank));
 
   nlohmann::json meta{{"rank", rank},
@@ -156,6 +202,7 @@ void add_lab_rank_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--batch", args->batch_file)->required();
   cmd->add_option("--model", args->model)->required();
   cmd->add_option("--global-batch", args->global_batch)->required();
+  cmd->add_option("--accumulate", args->accumulate)->check(CLI::PositiveNumber);
   cmd->add_option("--timeout", args->timeout_seconds);
   cmd->callback([args, &exit_code] {
     run_lab_rank(*args);
