@@ -55,6 +55,7 @@ void measure_divided(AccumulationResult& r, torch::nn::Sequential& model, const 
   const auto divided = raw / k;
   r.divided_to_scaled = max_abs_diff(divided, scaled);
   r.divided_to_mean = max_abs_diff(divided, full);
+  r.divided_to_raw = max_abs_diff(divided, raw);  // the alternative: no division
   r.divided_verdict = r.divided_to_mean <= tol && r.raw_to_mean > tol ? "mean" : "neither";
   // The same K*b samples in K micro-batches of sizes proportional to 1..K: dividing by K afterwards averages the
   // micro-batch means, each micro-batch weighted 1/K whatever its size, which is not the mean over the samples.

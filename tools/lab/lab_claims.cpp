@@ -149,8 +149,9 @@ const std::vector<ClaimSpec>& claims() {
       {"deepspeed-divides", "common belief",
        "DeepSpeed divides by the accumulation steps, which gives the mean gradient of the accumulated samples.",
        "DeepSpeed는 accumulation step 수로 나누며, 그러면 누적된 샘플의 평균 gradient가 된다.",
-       "accumulated .grad divided by K: distance to the mean over all samples (claim) and to the undivided sum (equal "
-       "micro-batches) or to the mean of the micro-batch means (unequal)",
+       "accumulated .grad divided by K (DeepSpeed's division by gradient_accumulation_steps, done here in one "
+       "process): distance to the mean over all samples (claim) and to the undivided sum (equal micro-batches) or to "
+       "the mean of the micro-batch means (unequal)",
        "every micro-batch holds the same number of samples", "모든 micro-batch의 샘플 수가 같을 때",
        divided_cases},
       {"fsdp-averages", "common belief", "FSDP averages like DDP.", "FSDP도 DDP처럼 평균을 낸다.",

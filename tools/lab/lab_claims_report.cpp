@@ -90,13 +90,19 @@ plot "claims.dat" using ($0-0.19):(v($2)):xtic(1) with boxes lc rgb "#c53030" ti
                      fmt::arg("tol", r.config.tolerance));
 }
 
+std::string source_ko(const std::string& source) {
+  if (source.rfind("answer ", 0) == 0) return "답변 " + source.substr(7);
+  return source == "common belief" ? "흔한 믿음" : source;
+}
+
 std::string claims_markdown(const LabResults& r, const std::string& language) {
   const bool ko = language == "ko";
   std::string out = ko ? "| 주장 | 출처 | 판정 | 주장과의 거리 | 대안과의 거리 | 측정 |\n|---|---|---|---|---|---|\n"
                        : "| claim | source | verdict | from the claim | from the alternative | measured |\n"
                          "|---|---|---|---|---|---|\n";
   for (const auto& c : r.claims) {
-    out += fmt::format("| {} | {} | **{}** | {} | {} | {} |\n", md_cell(ko ? c.claim_ko : c.claim_en), c.source,
+    out += fmt::format("| {} | {} | **{}** | {} | {} | {} |\n", md_cell(ko ? c.claim_ko : c.claim_en),
+                       ko ? source_ko(c.source) : c.source,
                        md_cell(ko ? c.verdict_ko : c.verdict), sci(c.deviation_true), sci(c.deviation_false),
                        md_cell(c.measured));
   }
