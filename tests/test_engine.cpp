@@ -10,6 +10,7 @@
 #include <functional>
 
 #include "gradsync/ddp.h"
+#include "gradsync/error.h"
 #include "gradsync/engine.h"
 #include "gradsync/fsdp.h"
 #include "gradsync/local.h"
@@ -65,13 +66,16 @@ template <typename EngineType>
 gradsync::StateDict train(EngineType& engine, const std::vector<Step>& steps) {
   torch::optim::SGD optimizer(engine.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   engine.track_optimizer(&optimizer);
-  for (const auto& step : steps) {
+  for (size_t s = 0; s < steps.size(); ++s) {
+    const auto& step = steps[s];
     engine.zero_grad();
     gradsync::accumulate(engine, static_cast<int64_t>(step.size()), [&](int64_t m) {
       const auto& micro = step[static_cast<size_t>(m)];
       return F::cross_entropy(engine.forward(micro.x), micro.y);
     });
     engine.clip_grad_norm(kMaxNorm);
+    // A checkpoint between backward and the step: it must not make the next forward miss the step's update.
+    if (s == 1) engine.state_dict(/*rank0_only=*/true);
     optimizer.step();
   }
   auto state = engine.state_dict();
@@ -155,6 +159,41 @@ GRADSYNC_WORKER(engine_loop) {
   WORKER_CHECK(n == 1 || traffic.total() > 0, "{}: traffic() counted no bytes on {} ranks", kind, n);
   if (r == 0) fmt::print("{} N={}: max rel diff {:.2e} from one process, {} sent\n", spec, n, d, traffic.total());
   return 0;
+}
+
+// FSDP's collectives depend on each rank's micro-batch count: counts that do not fit one step fail on every rank,
+// naming them, instead of pairing different collectives. args: "uneven" (rank 0 runs 2, rank 1 runs 1) or
+// "early-join" (rank 1 has no data before any synchronised step of its own).
+GRADSYNC_WORKER(fsdp_counts_must_fit) {
+  auto world = sh::join();
+  const int r = world->rank();
+  auto model = sh::make_mlp(kWidths, false, 0);
+  gradsync::FullyShardedDataParallel engine(model, world);
+  auto steps = rank_steps(world->size(), r);
+  const int64_t k = args.at(0) == "uneven" ? (r == 0 ? 2 : 1) : (r == 0 ? 1 : 0);
+  try {
+    gradsync::accumulate(engine, k, [&](int64_t m) {
+      const auto& micro = steps[0][static_cast<size_t>(m)];
+      return F::cross_entropy(engine.forward(micro.x), micro.y);
+    });
+  } catch (const gradsync::ConfigError& e) {
+    const std::string what = e.what();
+    WORKER_CHECK(what.find("micro-batch counts do not fit") != std::string::npos, "message: {}", what);
+    WORKER_CHECK(what.find(args.at(0) == "uneven" ? "rank 0: 2, rank 1: 1" : "rank 1: 0 (no synchronised step") !=
+                     std::string::npos, "message: {}", what);
+    return 0;
+  }
+  WORKER_CHECK(false, "rank {}: counts that do not fit were accepted", r);
+  return 1;
+}
+
+TEST(EngineLoop, FsdpRanksWhoseMicroBatchCountsDoNotFitFailTogether) {
+  t::CommandOptions options;
+  options.timeout = std::chrono::seconds(60);
+  for (const char* kind : {"uneven", "early-join"}) {
+    auto results = t::run_ranks(2, t::worker_argv("fsdp_counts_must_fit", {kind}), options);
+    for (const auto& r : results) EXPECT_TRUE(r.ok()) << kind << ": " << r.describe();
+  }
 }
 
 class EngineLoop : public testing::TestWithParam<std::tuple<const char*, int>> {};

@@ -156,6 +156,10 @@ class Engine {
   virtual void continue_accumulation() {}
   // Reduction::GlobalMean: the step's item count over all ranks, before the synchronising backward.
   virtual void set_global_item_count(int64_t items);
+  // accumulate() calls it first with this rank's micro-batch count. An engine whose collectives depend on that
+  // count (FSDP gathers parameters in every forward) checks that the ranks' counts fit together and fails on every
+  // rank, naming them, where they do not -- instead of pairing different collectives.
+  virtual void begin_step(int64_t /*micro_batches*/) {}
 
  protected:
   explicit Engine(const ModuleRef& module) : module_forward_(module.forward) {}
@@ -204,6 +208,7 @@ double accumulate(int64_t micro_batches, LossFn&& micro_loss) {
 template <typename LossFn>
 double accumulate(Engine& engine, int64_t micro_batches, LossFn&& micro_loss) {
   detail::check_micro_batches(micro_batches, 0);
+  engine.begin_step(micro_batches);
   if (micro_batches == 0) {
     engine.begin_forward();
     engine.end_forward();
@@ -258,6 +263,7 @@ template <typename ItemLossFn>
 GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, ItemLossFn&& micro_loss) {
   detail::check_micro_batches(micro_batches, 0);
   detail::require_global_mean(engine);
+  engine.begin_step(micro_batches);
   if (micro_batches == 0) {
     engine.begin_forward();
     engine.end_forward();

@@ -166,6 +166,9 @@ class FullyShardedDataParallel : public Engine {
   void join_backward() override;
   bool reduces_every_micro_step() const override;
   void continue_accumulation() override;
+  // One small all-gather of every rank's micro-batch count (and whether it could join): the counts must be equal,
+  // or a rank with none may join a step in which the others run one; otherwise ConfigError on every rank.
+  void begin_step(int64_t micro_batches) override;
 
   // Collective. This rank's shards (and the optimizer state of them, if given) in DIR: shard-<rank>-of-<N>.pt, a
   // dict Python's torch.load reads. Loading needs the same world size and units (use state_dict() to change them).

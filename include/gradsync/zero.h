@@ -57,12 +57,13 @@ class Zero1DataParallel : public Engine {
   const char* name() const override { return "Zero1DataParallel"; }
   Collectives* comm() override;
 
-  void begin_forward() override;  // all-gathers the slices updated since the last reduction, broadcasts buffers
+  void begin_forward() override;  // all-gathers the slices after a reduction (see Zero1Shard); buffers as DDP
   void end_forward() override;
   void join_backward() override;  // reduce-scatters zeros
 
   // Collective: all-gathers the updated slices into the module's parameters now instead of before the next
-  // forward (for reading module() right after optimizer.step()).
+  // forward (for reading module() right after optimizer.step()); the next training forward gathers again, so a
+  // step taken after this call still reaches the parameters. A no-op when nothing was reduced since.
   void sync_parameters();
   // Collective. This rank's slice and its optimizer state in DIR/shard-<rank>-of-<N>.pt (see FSDP's save_sharded).
   void save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer = nullptr);

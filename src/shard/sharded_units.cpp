@@ -198,18 +198,55 @@ void ShardedUnits::join_backward() {
     throw ConfigError(fmt::format("{} on rank {}: a step without data can be joined only after this rank has run "
                                   "one synchronised step (its unit collectives are replayed)", kWho, world->rank()));
   }
-  const auto replay = *last_synced_step;
-  for (size_t i = step_collectives.size(); i < replay.size(); ++i) {
-    const auto [op, u] = replay[i];
-    if (op == OrderCheck::Op::ReduceGrad) {
-      flats[u]->ensure_grad_buffer();  // zeros
-      reduce(u);
-    } else {
-      flats[u]->free();
-      gather(u, op);
-    }
-  }
+  const auto replay_of = *last_synced_step;
+  for (size_t i = step_collectives.size(); i < replay_of.size(); ++i) replay(replay_of[i]);
   end_synced_backward();
+}
+
+// One recorded collective again, with what the original did around it: a forced gather (the unit may still be
+// gathered here), zeros reduced, and FULL_SHARD's frees, so the joiner holds no more than one unit at a time.
+void ShardedUnits::replay(const Collective& collective) {
+  const auto [op, u] = collective;
+  const bool full_shard = options.strategy == ShardingStrategy::FullShard;
+  if (op == OrderCheck::Op::ReduceGrad) {
+    flats[u]->ensure_grad_buffer();  // zeros
+    reduce(u);
+    if (full_shard) flats[u]->free();
+    return;
+  }
+  flats[u]->free();
+  gather(u, op);
+  if (full_shard && op == OrderCheck::Op::ForwardGather && !is_root(u)) flats[u]->free();
+}
+
+void ShardedUnits::abort_forward() {
+  in_forward = false;
+  for (auto& p : progress) p.needs_backward = false;
+  free_all();  // what the aborted forward gathered
+  sample_memory();
+}
+
+void ShardedUnits::agree_micro_batches(int64_t micro_batches) {
+  if (size() == 1) return;
+  const auto mine = torch::tensor({micro_batches, static_cast<int64_t>(last_synced_step.has_value())}, torch::kLong);
+  auto all = torch::empty({2 * size()}, torch::kLong);
+  comm().allgather_flat(mine, all);
+  bool equal = true, joinable = true;
+  std::vector<std::string> ranks;
+  for (int r = 0; r < size(); ++r) {
+    const int64_t k = all[2 * r].item<int64_t>();
+    const bool can_join = all[2 * r + 1].item<int64_t>() != 0;
+    equal = equal && k == all[0].item<int64_t>();
+    joinable = joinable && (k == 1 || (k == 0 && can_join));
+    ranks.push_back(k == 0 && !can_join ? fmt::format("rank {}: 0 (no synchronised step of its own yet)", r)
+                                        : fmt::format("rank {}: {}", r, k));
+  }
+  const bool all_join = equal && all[0].item<int64_t>() == 0;
+  if ((equal && !all_join) || joinable) return;
+  throw ConfigError(fmt::format(
+      "{}: the ranks' micro-batch counts do not fit one step ({}); FSDP gathers parameters in every forward, so "
+      "every rank must run the same number of micro-batches, and a rank without data can join only a step in "
+      "which the others run one, after a synchronised step of its own", kWho, fmt::join(ranks, ", ")));
 }
 
 void ShardedUnits::free_all() {

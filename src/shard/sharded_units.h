@@ -71,6 +71,9 @@ class ShardedUnits {
   void grad_ready(size_t u);
   void join_backward();
   void free_all();
+  void abort_forward();
+  // The ranks' micro-batch counts for this step fit FSDP's collectives, or every rank throws ConfigError.
+  void agree_micro_batches(int64_t micro_batches);
 
  private:
   void gather(size_t u, OrderCheck::Op op);
@@ -80,6 +83,7 @@ class ShardedUnits {
   void finalize_backward();
   void end_synced_backward();
   void install_hooks();
+  void replay(const Collective& collective);
 };
 
 }  // namespace gradsync

@@ -31,7 +31,11 @@ class Zero1Shard {
   bool require_backward_sync = true;
   bool backward_sync = false;    // decided at forward time
   bool callback_queued = false;
-  bool stale_params = false;     // the slice may have been stepped since the full parameters were gathered
+  // A reduction has happened and the training forward that follows it has not re-gathered yet: the user's
+  // optimizer.step() (which gradsync cannot see: libtorch optimizers update p.data(), bumping no version counter)
+  // may have changed the slice. Gathers for state_dict(), sync_parameters() or a no-grad forward keep it set, so a
+  // step taken after them still reaches the parameters.
+  bool pending_update = false;
 
   Collectives& comm() { return world->comm(); }
   void sample_memory() const { meter.sample(count_memory({flat.get()}, optimizer)); }
@@ -39,20 +43,19 @@ class Zero1Shard {
     return {{flat->name(), flat->numel(), flat->padded_numel(), flat->shard_offset(), flat->shard()}};
   }
 
-  // The full parameters again from every rank's slice.
+  // The full parameters again from every rank's slice (collective: every rank's slice is stepped alike).
   void regather() {
     flat->free();
     flat->gather(comm(), traffic);
-    stale_params = false;
   }
-  void regather_if_stale() {
-    if (stale_params) regather();
+  void regather_if_pending() {
+    if (pending_update) regather();
   }
   // Reduce-scatters the local gradient into the slice's .grad (x 1/N for Mean, see reduction.h).
   void reduce() {
     sample_memory();  // full local gradient and the state of the previous step: the usual peak
     flat->reduce_grads(comm(), options.reduction, traffic);
-    stale_params = true;  // optimizer.step() comes next
+    pending_update = true;  // optimizer.step() comes next
     sample_memory();
   }
   void on_gradient(const std::weak_ptr<Zero1Shard>& self) {
@@ -61,7 +64,10 @@ class Zero1Shard {
     // Runs once the autograd engine has finished this backward, before backward() returns.
     torch::autograd::Engine::get_default_engine().queue_callback([self] {
       if (auto shard = self.lock()) {
+        // Disarmed until the next synchronised forward, as DDP: another backward (a rank's own diagnostic pass)
+        // accumulates locally instead of starting a reduction the other ranks do not run.
         shard->callback_queued = false;
+        shard->backward_sync = false;
         shard->reduce();
       }
     });
@@ -116,7 +122,9 @@ Zero1DataParallel::~Zero1DataParallel() = default;
 
 void Zero1DataParallel::begin_forward() {
   auto& s = *shard_;
-  s.regather_if_stale();
+  s.callback_queued = false;  // a backward that threw never ran its callback; this forward starts afresh
+  s.regather_if_pending();
+  if (torch::GradMode::is_enabled()) s.pending_update = false;
   s.buffers.before_forward(s.comm());
   if (torch::GradMode::is_enabled()) s.flat->ensure_grad_buffer();
 }
@@ -135,6 +143,7 @@ void Zero1DataParallel::join_backward() {
                                   "no_sync, with grad enabled)", kWho, s.world->rank()));
   }
   s.flat->ensure_grad_buffer();  // zeros unless micro-steps accumulated into it
+  s.backward_sync = false;
   s.reduce();
 }
 
@@ -160,7 +169,7 @@ void Zero1DataParallel::track_optimizer(const torch::optim::Optimizer* optimizer
 
 StateDict Zero1DataParallel::state_dict(bool rank0_only) {
   auto& s = *shard_;
-  s.regather_if_stale();
+  s.regather_if_pending();
   return full_state_dict(s.comm(), *s.module, {s.flat.get()}, s.buffers.buffers(), !rank0_only, /*gather=*/false);
 }
 
@@ -168,9 +177,10 @@ void Zero1DataParallel::load_state_dict(const StateDict& state) {
   auto& s = *shard_;
   load_full_state_dict(s.comm(), kWho, *s.module, {s.flat.get()}, s.buffers.buffers(), state);
   s.regather();
+  s.pending_update = false;
 }
 
-void Zero1DataParallel::sync_parameters() { shard_->regather_if_stale(); }
+void Zero1DataParallel::sync_parameters() { shard_->regather_if_pending(); }
 
 void Zero1DataParallel::save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer) {
   auto& s = *shard_;
@@ -183,6 +193,7 @@ void Zero1DataParallel::load_sharded(const std::string& dir, torch::optim::Optim
   fail_together_on_throw(s.comm(), fmt::format("{}: load_sharded", kWho),
                          [&] { load_shards(dir, s.world->rank(), s.world->size(), s.slots(), optimizer); });
   s.regather();
+  s.pending_update = false;
 }
 
 MemoryStats Zero1DataParallel::memory() const {

@@ -142,14 +142,16 @@ struct Run {
   Dataset data;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
+  int64_t model_bytes = 0;  // Psi in bytes, measured before an engine re-types parameters (--param-dtype)
 };
 
 Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   torch::manual_seed(c.seed);
-  Run run{make_model(c.model), {}, nullptr, nullptr};
+  Run run{make_model(c.model), {}, nullptr, nullptr, 0};
   if (!c.init_state.empty()) load_into(*run.model, load_state_dict(c.init_state));
   const auto spec = parse_model_spec(c.model);
   run.data = load_dataset(c.data, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed);
+  run.model_bytes = parameter_bytes(*run.model);
   run.engine = make_engine(c, run.model, world);
   run.model->train();
   run.optimizer = make_optimizer(c, run.engine->parameters());
@@ -164,7 +166,7 @@ Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
                                 rank, r.step, r.epoch, micro_batch, e.what_without_backtrace()));
 }
 
-void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records, int64_t model_bytes,
+void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records,
             const std::shared_ptr<World>& world) {
   const int rank = world ? world->rank() : 0;
   if (!c.save_state.empty()) {
@@ -173,7 +175,8 @@ void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& recor
   }
   if ((is_sharded(c.strategy) || c.report_memory) && !c.quiet) {
     if (is_sharded(c.strategy) && rank == 0) fmt::print("gradsync train: {}\n", describe_engine(c, *run.engine));
-    print_resource_report(to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), model_bytes, world);
+    print_resource_report(to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), run.model_bytes,
+                          world);
   }
   if (world && world->size() > 1) world->comm().barrier();  // no rank exits while another still needs it
 }
@@ -184,7 +187,6 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   const int rank = world ? world->rank() : 0;
   validate(c, world ? world->size() : 1);
   auto run = set_up(c, world);
-  const int64_t model_bytes = parameter_bytes(*run.model);
   const bool report = is_sharded(c.strategy) || c.report_memory;
   // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
   const int ranks = world ? world->size() : std::max(c.replay_ranks, 1);
@@ -223,7 +225,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
     }
     if (schedule.steps_per_epoch() == 0) break;
   }
-  finish(c, run, records, model_bytes, world);
+  finish(c, run, records, world);
   return records;
 }
 
