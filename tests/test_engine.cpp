@@ -2,7 +2,7 @@
 // engine (DistributedDataParallel, FullyShardedDataParallel in each strategy, Zero1DataParallel, LocalEngine) and
 // must end where one process trained on the global batch ends. The loop uses every operation of the interface:
 // parameters(), track_optimizer(), zero_grad(), forward(), accumulate() (with no_sync inside), clip_grad_norm(),
-// state_dict(), memory() and traffic(). Ranks start from different initial parameters (rank 0's must win), steps
+// state_dict(), memory() and traffic(); load_state_dict() is checked after it. Ranks start from different initial parameters (rank 0's must win), steps
 // accumulate K = 2 micro-batches, and in the last step the last rank has no data and joins with zeros (DDP and ZeRO-1
 // also in the very first step, by rank 0).
 #include <gtest/gtest.h>
@@ -84,6 +84,16 @@ gradsync::StateDict train(EngineType& engine, const std::vector<Step>& steps) {
   return state;
 }
 
+// load_state_dict() loads rank 0's state everywhere: ranks other than 0 pass an empty one (a rank of its own,
+// the local engine, passes the whole state), and afterwards every rank's state_dict() is exactly that state.
+template <typename EngineType>
+void check_load(EngineType& engine, int rank, bool own_rank) {
+  const auto fresh = gradsync::state_dict(*sh::make_mlp(kWidths, false, 77));
+  engine.load_state_dict(rank == 0 || own_rank ? fresh : gradsync::StateDict{});
+  const double d = sh::max_relative_difference(engine.state_dict(), fresh);
+  WORKER_CHECK(d == 0, "{} on rank {}: load_state_dict then state_dict differs by {}", engine.name(), rank, d);
+}
+
 // One process on the global batch, no gradsync: the gradient of step s is sum over ranks r with data and their
 // K_r micro-batches of grad(loss_rk) / (N * K_r) (Reduction::Mean; a rank without data adds zeros, counted in N).
 gradsync::StateDict reference(int n, const std::vector<std::vector<Step>>& by_rank) {
@@ -133,6 +143,7 @@ GRADSYNC_WORKER(engine_loop) {
     auto local = sh::make_mlp(kWidths, false, 0);
     gradsync::LocalEngine engine(local);
     got = train(engine, all);
+    check_load(engine, r, /*own_rank=*/true);
     const double d = sh::max_relative_difference(got, reference(1, {all}));
     WORKER_CHECK(d <= 1e-5, "local: differs from one process by {}", d);
     return 0;
@@ -141,10 +152,12 @@ GRADSYNC_WORKER(engine_loop) {
     gradsync::DistributedDataParallel engine(model, world);
     got = train(engine, by_rank[static_cast<size_t>(r)]);
     traffic = engine.traffic();
+    check_load(engine, r, false);
   } else if (kind == "zero1") {
     gradsync::Zero1DataParallel engine(model, world);
     got = train(engine, by_rank[static_cast<size_t>(r)]);
     traffic = engine.traffic();
+    check_load(engine, r, false);
   } else {
     const auto strategy = kind == "fsdp-full"      ? gradsync::ShardingStrategy::FullShard
                           : kind == "fsdp-grad-op" ? gradsync::ShardingStrategy::ShardGradOp
@@ -152,6 +165,7 @@ GRADSYNC_WORKER(engine_loop) {
     gradsync::FullyShardedDataParallel engine(model, world, fsdp(strategy));
     got = train(engine, by_rank[static_cast<size_t>(r)]);
     traffic = engine.traffic();
+    check_load(engine, r, false);
   }
   const double d = sh::max_relative_difference(got, reference(n, by_rank));
   WORKER_CHECK(d <= 1e-5, "{} on {} ranks (rank {}): differs from one process on the global batch by {}", kind, n, r,

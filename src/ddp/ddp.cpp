@@ -6,6 +6,7 @@
 #include "common/clip_grad.h"
 #include "common/consistency.h"
 #include "ddp/reducer.h"
+#include "engine/replica.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
@@ -58,10 +59,7 @@ void DistributedDataParallel::load_state_dict(const StateDict& state) {
   fail_together_on_throw(comm, "DistributedDataParallel: load_state_dict", [&] {
     if (comm.rank() == 0) load_into(*reducer_->module, state);
   });
-  std::vector<torch::Tensor> everything = reducer_->module->parameters();
-  const auto& buffers = reducer_->buffers.buffers();
-  everything.insert(everything.end(), buffers.begin(), buffers.end());
-  comm.broadcast_coalesced(everything, /*root=*/0);
+  broadcast_from_rank0(comm, *reducer_->module);
 }
 
 MemoryStats DistributedDataParallel::memory() const {

@@ -13,11 +13,15 @@ std::vector<torch::Tensor> set_up_replica(Collectives& comm, const std::string& 
   auto lines = describe_module(module);
   lines.insert(lines.end(), extra_lines.begin(), extra_lines.end());
   check_same_on_every_rank(comm, who, lines);
-  std::vector<torch::Tensor> buffers = module.buffers();
+  broadcast_from_rank0(comm, module);
+  return module.buffers();
+}
+
+void broadcast_from_rank0(Collectives& comm, torch::nn::Module& module) {
   std::vector<torch::Tensor> everything = module.parameters();
+  const auto buffers = module.buffers();
   everything.insert(everything.end(), buffers.begin(), buffers.end());
   comm.broadcast_coalesced(everything, /*root=*/0);
-  return buffers;
 }
 
 void BufferSync::before_forward(Collectives& comm) {

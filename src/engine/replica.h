@@ -18,6 +18,9 @@ namespace gradsync {
 std::vector<torch::Tensor> set_up_replica(Collectives& comm, const std::string& who, torch::nn::Module& module,
                                           const std::vector<std::string>& extra_lines = {});
 
+// Rank 0's parameters (all of them, frozen ones too) and buffers overwrite every rank's: one coalesced broadcast.
+void broadcast_from_rank0(Collectives& comm, torch::nn::Module& module);
+
 // PyTorch DDP's buffer rule (broadcast_buffers): rank 0's buffers (BatchNorm statistics) overwrite every rank's
 // before a forward that follows a synchronised one. A forward that will not synchronise (no_sync, no grad) or a
 // continued accumulation step skips the next broadcast, so statistics stay per rank within an optimizer step.
