@@ -283,6 +283,12 @@ std::string lab_rank_json(const std::string& dir, int rank);
 // Keys in the order of the report (ordered_json), so the document reads like the table.
 nlohmann::ordered_json to_json(const LabResults& results);
 // One row per experiment: what was measured, the figure, the verdict.
+// A figure as every table writes it: "1.1e-08" (lab_report.cpp).
+std::string sci(double value);
+// Per-rank (or per-micro-batch) sample counts as the tables write them: "102+204+307+411" (lab_report.cpp).
+std::string join_samples(const std::vector<int64_t>& samples);
+// Text for a markdown table cell: '|' escaped (lab_markdown.cpp).
+std::string markdown_cell(const std::string& text);
 using ResultRow = std::array<std::string, 3>;
 std::vector<ResultRow> result_rows(const LabResults& results);
 // Experiment-table rows of the measurements only the claims use (divided accumulation, FSDP accumulation, DDP

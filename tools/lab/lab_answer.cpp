@@ -12,10 +12,6 @@
 namespace gradsync::cli {
 namespace {
 
-std::string sci(double v) { return fmt::format("{:.1e}", v); }
-
-std::string join_samples(const std::vector<int64_t>& samples) { return fmt::format("{}", fmt::join(samples, "+")); }
-
 std::vector<int> multi_rank_sizes(const LabResults& r) {
   std::vector<int> sizes;
   for (const auto& d : r.ddp) {

@@ -8,18 +8,10 @@
 namespace gradsync::cli {
 namespace {
 
-std::string sci(double x) { return x > 0 ? fmt::format("{:.1e}", x) : "0"; }
-
 std::string csv_cell(const std::string& s) {
   std::string out = "\"";
   for (char ch : s) out += ch == '"' ? std::string("\"\"") : std::string(1, ch);
   return out + "\"";
-}
-
-std::string md_cell(const std::string& s) {
-  std::string out;
-  for (char ch : s) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
-  return out;
 }
 
 // "true", "false", "conditional" or "inconclusive": what fits under a plot's bar.
@@ -101,10 +93,10 @@ std::string claims_markdown(const LabResults& r, const std::string& language) {
                        : "| claim | source | verdict | from the claim | from the alternative | measured |\n"
                          "|---|---|---|---|---|---|\n";
   for (const auto& c : r.claims) {
-    out += fmt::format("| {} | {} | **{}** | {} | {} | {} |\n", md_cell(ko ? c.claim_ko : c.claim_en),
+    out += fmt::format("| {} | {} | **{}** | {} | {} | {} |\n", markdown_cell(ko ? c.claim_ko : c.claim_en),
                        ko ? source_ko(c.source) : c.source,
-                       md_cell(ko ? c.verdict_ko : c.verdict), sci(c.deviation_true), sci(c.deviation_false),
-                       md_cell(c.measured));
+                       markdown_cell(ko ? c.verdict_ko : c.verdict), sci(c.deviation_true), sci(c.deviation_false),
+                       markdown_cell(c.measured));
   }
   return out;
 }
@@ -116,7 +108,7 @@ std::vector<ResultRow> claim_experiment_rows(const LabResults& r) {
        fmt::format("max |diff| to loss / K {}, to the full-batch mean {}, to the undivided sum {}",
                    sci(a.divided_to_scaled), sci(a.divided_to_mean), sci(a.divided_to_raw)),
        a.divided_verdict},
-      {fmt::format("accumulate, unequal ({}), .grad / K", fmt::join(a.unequal_sizes, "+")),
+      {fmt::format("accumulate, unequal ({}), .grad / K", join_samples(a.unequal_sizes)),
        fmt::format("max |diff| to the sample mean {}, to the mean of micro-batch means {}; summed / total {}",
                    sci(a.unequal_divided_to_mean), sci(a.unequal_divided_to_micro_means), sci(a.unequal_global_to_mean)),
        a.unequal_divided_verdict}};

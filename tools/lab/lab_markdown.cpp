@@ -11,14 +11,10 @@
 namespace gradsync::cli {
 namespace {
 
-std::string sci(double v) { return fmt::format("{:.2e}", v); }
+// report.md gives its figures one digit more than the terminal table (sci2()).
+std::string sci2(double v) { return fmt::format("{:.2e}", v); }
 
 // A table cell: '|' would end the cell.
-std::string cell(const std::string& s) {
-  std::string out;
-  for (char ch : s) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
-  return out;
-}
 
 std::string plot(const LabResults& r, const std::string& file, const std::string& alt) {
   const bool have = std::find(r.plots.files.begin(), r.plots.files.end(), file) != r.plots.files.end();
@@ -62,8 +58,8 @@ std::string accumulation_section(const LabResults& r) {
       "`backward()` adds into `.grad`, so K passes leave the sum of K micro-batch gradients; only dividing the loss "
       "(or the gradient) by K gives the mean.\n\n",
       fmt::arg("k", a.micro_batches), fmt::arg("b", a.micro_batch), fmt::arg("kb", a.micro_batches * a.micro_batch),
-      fmt::arg("ratio", a.raw_ratio), fmt::arg("rv", a.raw_verdict), fmt::arg("rs", sci(a.raw_to_sum)),
-      fmt::arg("rm", sci(a.raw_to_mean)), fmt::arg("sm", sci(a.scaled_to_mean)), fmt::arg("sv", a.scaled_verdict));
+      fmt::arg("ratio", a.raw_ratio), fmt::arg("rv", a.raw_verdict), fmt::arg("rs", sci2(a.raw_to_sum)),
+      fmt::arg("rm", sci2(a.raw_to_mean)), fmt::arg("sm", sci2(a.scaled_to_mean)), fmt::arg("sv", a.scaled_verdict));
 }
 
 std::string ddp_section(const LabResults& r) {
@@ -81,8 +77,8 @@ std::string ddp_section(const LabResults& r) {
   s += "| N | global batch | max \\|Δ\\| to mean | max \\|Δ\\| to sum | between ranks | verdict | seconds |\n"
        "|---|---|---|---|---|---|---|\n";
   for (const auto& d : r.ddp) {
-    s += fmt::format("| {} | {} | {} | {} | {} | **{}**{} | {:.1f} |\n", d.world_size, d.global_batch, sci(d.to_mean),
-                     sci(d.to_sum), sci(d.between_ranks), d.verdict, d.note.empty() ? "" : " (" + d.note + ")",
+    s += fmt::format("| {} | {} | {} | {} | {} | **{}**{} | {:.1f} |\n", d.world_size, d.global_batch, sci2(d.to_mean),
+                     sci2(d.to_sum), sci2(d.between_ranks), d.verdict, d.note.empty() ? "" : " (" + d.note + ")",
                      d.seconds);
   }
   s += "\n### Each rank's gradient before and after synchronisation\n\n";
@@ -95,8 +91,8 @@ std::string ddp_section(const LabResults& r) {
   for (const auto& d : r.ddp) {
     for (const auto& g : d.ranks) {
       s += fmt::format("| {} | {} | {} | {} | {:.4f} | {} | {} | {} | {:.6f} | {:.6f} |\n", d.world_size, g.rank,
-                       g.samples, sci(g.local_to_mean), g.local_norm, sci(g.local_to_shard), sci(g.synced_to_mean),
-                       sci(g.synced_to_sum), g.local_probe, g.synced_probe);
+                       g.samples, sci2(g.local_to_mean), g.local_norm, sci2(g.local_to_shard), sci2(g.synced_to_mean),
+                       sci2(g.synced_to_sum), g.local_probe, g.synced_probe);
     }
   }
   s += "\nThe probe is one gradient element, for reading by eye: single-process mean / sum of the ranks' gradients";
@@ -120,10 +116,10 @@ std::string uneven_section(const LabResults& r) {
        "verdict |\n|---|---|---|---|---|---|\n";
   for (const auto& u : r.uneven) {
     s += fmt::format("| {} | {} | Mean | {} | {} | **{}** |\n", u.world_size, fmt::join(u.samples, " + "),
-                     sci(u.to_mean_of_means), sci(u.to_global_mean), u.verdict);
+                     sci2(u.to_mean_of_means), sci2(u.to_global_mean), u.verdict);
     s += fmt::format("| {} | {} | GlobalMean (T = {}) | {} | {} | **{}** |\n", u.world_size,
-                     fmt::join(u.samples, " + "), u.global_items, sci(u.global_to_mean_of_means),
-                     sci(u.global_to_sample_mean), u.global_verdict);
+                     fmt::join(u.samples, " + "), u.global_items, sci2(u.global_to_mean_of_means),
+                     sci2(u.global_to_sample_mean), u.global_verdict);
   }
   return s + "\nFor GlobalMean, max |Δ| to the sample mean is the largest over ranks and to the mean of rank means "
              "the smallest; the verdict also requires every rank to hold the same gradient and to have counted T as "
@@ -144,8 +140,8 @@ std::string sharded_section(const LabResults& r) {
       "|---|---|---|---|---|---|\n",
       fmt::arg("tol", r.config.tolerance));
   for (const auto& d : r.ddp) {
-    s += fmt::format("| {} | {} | {} | {} | {} | **{}**{} |\n", d.world_size, d.global_batch, sci(d.fsdp_to_mean),
-                     sci(d.fsdp_to_sum), sci(d.fsdp_between_ranks), d.fsdp_verdict,
+    s += fmt::format("| {} | {} | {} | {} | {} | **{}**{} |\n", d.world_size, d.global_batch, sci2(d.fsdp_to_mean),
+                     sci2(d.fsdp_to_sum), sci2(d.fsdp_between_ranks), d.fsdp_verdict,
                      d.fsdp_note.empty() ? "" : " (" + d.fsdp_note + ")");
   }
   return s + "\nThe difference to the mean includes the float32 rounding of initial − (initial − g).\n\n";
@@ -186,6 +182,12 @@ std::string definitions() {
 
 }  // namespace
 
+std::string markdown_cell(const std::string& text) {
+  std::string out;
+  for (char ch : text) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
+  return out;
+}
+
 std::string report_markdown(const LabResults& r) {
   const auto& c = r.config;
   std::string s = fmt::format(
@@ -196,7 +198,7 @@ std::string report_markdown(const LabResults& r) {
       c.quick ? " --quick" : "", c.quick ? "quick" : "full", c.data, r.dataset_size, c.model, c.seed,
       fmt::join(c.world_sizes, ", "), r.seconds, c.tolerance);
   for (const auto& row : result_rows(r)) {
-    s += fmt::format("| {} | {} | {} |\n", cell(row[0]), cell(row[1]), cell(row[2]));
+    s += fmt::format("| {} | {} | {} |\n", markdown_cell(row[0]), markdown_cell(row[1]), markdown_cell(row[2]));
   }
   s += "\n";
   s += loss_section(r) + accumulation_section(r) + ddp_section(r) + uneven_section(r);

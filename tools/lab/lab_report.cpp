@@ -21,17 +21,12 @@
 #include "launch/spawn.h"
 
 namespace gradsync::cli {
-namespace {
-
 namespace fs = std::filesystem;
 
-std::string sci(double v) { return fmt::format("{:.1e}", v); }
-
-std::string join_samples(const std::vector<int64_t>& samples) { return fmt::format("{}", fmt::join(samples, "+")); }
-
-}  // namespace
-
 // ---- terminal table ----------------------------------------------------------------------------------------
+
+std::string sci(double value) { return fmt::format("{:.1e}", value); }
+std::string join_samples(const std::vector<int64_t>& samples) { return fmt::format("{}", fmt::join(samples, "+")); }
 
 std::vector<ResultRow> result_rows(const LabResults& r) {
   std::vector<ResultRow> rows;
