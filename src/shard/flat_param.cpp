@@ -179,9 +179,9 @@ void FlatParam::count_grads(StorageBytes& bytes) const {
   bytes.add(grad_buffer_);
 }
 
-MemoryBreakdown count_memory(const std::vector<const FlatParam*>& flats, const torch::optim::Optimizer* optimizer) {
+MemoryBreakdown count_memory(const std::vector<FlatParam*>& flats, const torch::optim::Optimizer* optimizer) {
   StorageBytes params, grads;
-  for (const auto* f : flats) {
+  for (const FlatParam* f : flats) {
     f->count_params(params);
     f->count_grads(grads);
   }

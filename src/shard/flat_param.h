@@ -100,6 +100,6 @@ class FlatParam {
 
 // Parameters and gradients of these flat parameters (each storage once) and the optimizer's state: what a
 // sharded engine holds, sampled whenever it allocates or frees.
-MemoryBreakdown count_memory(const std::vector<const FlatParam*>& flats, const torch::optim::Optimizer* optimizer);
+MemoryBreakdown count_memory(const std::vector<FlatParam*>& flats, const torch::optim::Optimizer* optimizer);
 
 }  // namespace gradsync

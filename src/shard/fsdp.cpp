@@ -105,22 +105,14 @@ double FullyShardedDataParallel::clip_grad_norm(double max_norm, double norm_typ
   return gradsync::clip_grad_norm(parameters(), max_norm, norm_type, s.sharded() ? &s.comm() : nullptr);
 }
 
-namespace {
-std::vector<FlatParam*> raw(const std::vector<std::unique_ptr<FlatParam>>& flats) {
-  std::vector<FlatParam*> out;
-  for (const auto& f : flats) out.push_back(f.get());
-  return out;
-}
-}  // namespace
-
 StateDict FullyShardedDataParallel::state_dict(bool rank0_only) {
   auto& s = *units_;
-  return full_state_dict(s.comm(), *s.module, raw(s.flats), s.buffers.buffers(), !rank0_only, /*gather=*/true);
+  return full_state_dict(s.comm(), *s.module, s.flat_views, s.buffers.buffers(), !rank0_only, /*gather=*/true);
 }
 
 void FullyShardedDataParallel::load_state_dict(const StateDict& state) {
   auto& s = *units_;
-  load_full_state_dict(s.comm(), kWho, *s.module, raw(s.flats), s.buffers.buffers(), state);
+  load_full_state_dict(s.comm(), kWho, *s.module, s.flat_views, s.buffers.buffers(), state);
   s.sample_memory();
 }
 

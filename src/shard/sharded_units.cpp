@@ -31,11 +31,7 @@ class GradReadyHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-void ShardedUnits::sample_memory() const {
-  std::vector<const FlatParam*> all;
-  for (const auto& f : flats) all.push_back(f.get());
-  meter.sample(count_memory(all, optimizer));
-}
+void ShardedUnits::sample_memory() const { meter.sample(count_memory(flat_views, optimizer)); }
 
 void ShardedUnits::gather(size_t u, OrderCheck::Op op) {
   auto& flat = *flats[u];
@@ -231,17 +227,18 @@ void ShardedUnits::agree_micro_batches(int64_t micro_batches) {
   const auto mine = torch::tensor({micro_batches, static_cast<int64_t>(last_synced_step.has_value())}, torch::kLong);
   auto all = torch::empty({2 * size()}, torch::kLong);
   comm().allgather_flat(mine, all);
+  const int64_t* v = all.data_ptr<int64_t>();  // rank r: v[2r] micro-batches, v[2r+1] has a step to replay
   bool equal = true, joinable = true;
   std::vector<std::string> ranks;
   for (int r = 0; r < size(); ++r) {
-    const int64_t k = all[2 * r].item<int64_t>();
-    const bool can_join = all[2 * r + 1].item<int64_t>() != 0;
-    equal = equal && k == all[0].item<int64_t>();
+    const int64_t k = v[2 * r];
+    const bool can_join = v[2 * r + 1] != 0;
+    equal = equal && k == v[0];
     joinable = joinable && (k == 1 || (k == 0 && can_join));
     ranks.push_back(k == 0 && !can_join ? fmt::format("rank {}: 0 (no synchronised step of its own yet)", r)
                                         : fmt::format("rank {}: {}", r, k));
   }
-  const bool all_join = equal && all[0].item<int64_t>() == 0;
+  const bool all_join = equal && v[0] == 0;
   if ((equal && !all_join) || joinable) return;
   throw ConfigError(fmt::format(
       "{}: the ranks' micro-batch counts do not fit one step ({}); FSDP gathers parameters in every forward, so "
@@ -267,6 +264,7 @@ void ShardedUnits::build(const std::string& who) {
   for (size_t u = 0; u < plans.size(); ++u) {
     flats.push_back(std::make_unique<FlatParam>(plans[u], world->rank(), size(), sharded(),
                                                 options.mixed_precision));
+    flat_views.push_back(flats.back().get());
     if (plans[u].is_root) root = static_cast<int64_t>(u);
     unit_index[plans[u].name] = u;
     names.push_back(plans[u].name);

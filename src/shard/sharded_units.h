@@ -38,6 +38,7 @@ class ShardedUnits {
   std::weak_ptr<ShardedUnits> self;
   std::vector<UnitPlan> plans;
   std::vector<std::unique_ptr<FlatParam>> flats;
+  std::vector<FlatParam*> flat_views;  // the same, as the pointers count_memory() and full_state.h take
   std::vector<Progress> progress;
   std::map<std::string, size_t> unit_index;
   int64_t root = -1;  // index of the root unit, -1 when every parameter is in a unit
