@@ -188,4 +188,10 @@ MemoryBreakdown count_memory(const std::vector<FlatParam*>& flats, const torch::
   return {params.bytes(), grads.bytes(), optimizer ? optimizer_state_bytes(*optimizer) : 0};
 }
 
+std::vector<ShardSlot> shard_slots(const std::vector<FlatParam*>& flats) {
+  std::vector<ShardSlot> slots;
+  for (auto* f : flats) slots.push_back({f->name(), f->numel(), f->padded_numel(), f->shard_offset(), f->shard()});
+  return slots;
+}
+
 }  // namespace gradsync

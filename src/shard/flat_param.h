@@ -19,8 +19,9 @@
 
 #include "gradsync/collectives.h"
 #include "gradsync/stats.h"
-#include "shard/mixed_precision.h"
 #include "gradsync/reduction.h"
+#include "shard/mixed_precision.h"
+#include "shard/sharded_checkpoint.h"
 #include "shard/wrap_policy.h"
 
 namespace gradsync {
@@ -97,6 +98,9 @@ class FlatParam {
   bool aliases_master_ = false;
   bool gathered_ = false;
 };
+
+// What a sharded checkpoint saves of each flat parameter and loads into it (sharded_checkpoint.h), in order.
+std::vector<ShardSlot> shard_slots(const std::vector<FlatParam*>& flats);
 
 // Parameters and gradients of these flat parameters (each storage once) and the optimizer's state: what a
 // sharded engine holds, sampled whenever it allocates or frees.

@@ -19,14 +19,6 @@ namespace {
 
 constexpr const char* kWho = "FullyShardedDataParallel";
 
-std::vector<ShardSlot> slots_of(const std::vector<std::unique_ptr<FlatParam>>& flats) {
-  std::vector<ShardSlot> slots;
-  for (const auto& f : flats) {
-    slots.push_back({f->name(), f->numel(), f->padded_numel(), f->shard_offset(), f->shard()});
-  }
-  return slots;
-}
-
 }  // namespace
 
 const char* to_string(ShardingStrategy strategy) {
@@ -120,14 +112,14 @@ void FullyShardedDataParallel::save_sharded(const std::string& dir, const torch:
   auto& s = *units_;
   fail_together_on_throw(s.comm(), fmt::format("{}: save_sharded", kWho), [&] {
     save_shards(dir, fmt::format("fsdp:{}", to_string(s.options.strategy)), s.world->rank(), s.size(),
-                slots_of(s.flats), optimizer);
+                shard_slots(s.flat_views), optimizer);
   });
 }
 
 void FullyShardedDataParallel::load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer) {
   auto& s = *units_;
   fail_together_on_throw(s.comm(), fmt::format("{}: load_sharded", kWho),
-                         [&] { load_shards(dir, s.world->rank(), s.size(), slots_of(s.flats), optimizer); });
+                         [&] { load_shards(dir, s.world->rank(), s.size(), shard_slots(s.flat_views), optimizer); });
   s.free_all();  // the next forward gathers the loaded values
   s.sample_memory();
 }

@@ -39,9 +39,7 @@ class Zero1Shard {
 
   Collectives& comm() { return world->comm(); }
   void sample_memory() const { meter.sample(count_memory({flat.get()}, optimizer)); }
-  std::vector<ShardSlot> slots() const {
-    return {{flat->name(), flat->numel(), flat->padded_numel(), flat->shard_offset(), flat->shard()}};
-  }
+  std::vector<ShardSlot> slots() const { return shard_slots({flat.get()}); }
 
   // The full parameters again from every rank's slice (collective: every rank's slice is stepped alike).
   void regather() {
