@@ -159,6 +159,9 @@ Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   return run;
 }
 
+// Memory and bytes sent in the log and the summary: always for the sharded strategies, on request otherwise.
+bool reports_resources(const TrainConfig& c) { return is_sharded(c.strategy) || c.report_memory; }
+
 // e.g. BatchNorm1d given a 1-sample micro-batch: say where, and what to change.
 [[noreturn]] void degenerate_batch(const c10::Error& e, int rank, const StepRecord& r, int64_t micro_batch) {
   throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
@@ -173,7 +176,7 @@ void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& recor
     auto full = run.engine->state_dict(/*rank0_only=*/true);  // a collective for sharded engines
     if (rank == 0) save_state_dict(full, c.save_state);
   }
-  if ((is_sharded(c.strategy) || c.report_memory) && !c.quiet) {
+  if (reports_resources(c) && !c.quiet) {
     if (is_sharded(c.strategy) && rank == 0) fmt::print("gradsync train: {}\n", describe_engine(c, *run.engine));
     print_resource_report(to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), run.model_bytes,
                           world);
@@ -187,7 +190,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   const int rank = world ? world->rank() : 0;
   validate(c, world ? world->size() : 1);
   auto run = set_up(c, world);
-  const bool report = is_sharded(c.strategy) || c.report_memory;
+  const bool report = reports_resources(c);
   // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
   const int ranks = world ? world->size() : std::max(c.replay_ranks, 1);
   const int64_t b = c.global_batch / (ranks * c.accumulate);
