@@ -9,31 +9,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
+#include "engine/grad_hook.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
-
-namespace {
-
-// Called by autograd after AccumulateGrad has updated .grad, once per backward per parameter.
-class ReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  ReadyHook(std::weak_ptr<Reducer> state, size_t index) : state_(std::move(state)), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto state = state_.lock()) state->mark_ready(index_, state_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<Reducer> state_;  // the hook outlives the reducer inside autograd's graph
-  size_t index_;
-};
-
-}  // namespace
 
 void Reducer::queue_finalize(const std::weak_ptr<Reducer>& self) {
   if (options.reduction == Reduction::GlobalMean && !global_items) {
@@ -239,10 +219,11 @@ void Reducer::set_up(const std::shared_ptr<Reducer>& self) {
   buffers = BufferSync(set_up_replica(world->comm(), "DistributedDataParallel", *module), options.broadcast_buffers);
   build_buckets(initial_bucket_layout(params, options.find_unused_parameters, options.first_bucket_bytes,
                                       options.bucket_cap_bytes));
+  const std::weak_ptr<Reducer> weak = self;  // the hooks outlive the reducer inside autograd's graph
   for (size_t i = 0; i < params.size(); ++i) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
-    accumulator->add_post_hook(std::make_unique<ReadyHook>(self, i));
-    accumulators.push_back(std::move(accumulator));
+    accumulators.push_back(on_gradient_accumulated(params[i], [weak, i] {
+      if (auto reducer = weak.lock()) reducer->mark_ready(i, weak);
+    }));
   }
   sample_memory();
 }

@@ -4,30 +4,14 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
+#include "engine/grad_hook.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
 namespace {
 
 constexpr const char* kWho = "FullyShardedDataParallel";
-
-// Called by autograd after AccumulateGrad has added into a parameter's .grad (a view of its unit's buffer).
-class GradReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  GradReadyHook(std::weak_ptr<ShardedUnits> units, size_t unit) : units_(std::move(units)), unit_(unit) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto units = units_.lock()) units->grad_ready(unit_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<ShardedUnits> units_;  // the hook outlives the engine inside autograd's graph
-  size_t unit_;
-};
 
 }  // namespace
 
@@ -280,9 +264,9 @@ void ShardedUnits::build(const std::string& who) {
 void ShardedUnits::install_hooks() {
   for (size_t u = 0; u < flats.size(); ++u) {
     for (const auto& p : flats[u]->params()) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(p);
-      accumulator->add_post_hook(std::make_unique<GradReadyHook>(self, u));
-      accumulators.push_back(std::move(accumulator));
+      accumulators.push_back(on_gradient_accumulated(p, [weak = self, u] {
+        if (auto units = weak.lock()) units->grad_ready(u);
+      }));
     }
   }
 }

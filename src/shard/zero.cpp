@@ -4,11 +4,10 @@
 
 #include <fmt/format.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include "common/clip_grad.h"
 #include "common/consistency.h"
+#include "engine/grad_hook.h"
 #include "engine/replica.h"
 #include "gradsync/error.h"
 #include "shard/flat_param.h"
@@ -76,20 +75,6 @@ namespace {
 
 constexpr const char* kWho = "Zero1DataParallel";
 
-// Called by autograd after AccumulateGrad has added into a parameter's .grad (a view of the flat gradient).
-class GradientHook : public torch::autograd::FunctionPostHook {
- public:
-  explicit GradientHook(std::weak_ptr<Zero1Shard> shard) : shard_(std::move(shard)) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto shard = shard_.lock()) shard->on_gradient(shard_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<Zero1Shard> shard_;
-};
-
 }  // namespace
 
 Zero1DataParallel::Zero1DataParallel(const ModuleRef& module, std::shared_ptr<World> world, ZeroOptions options)
@@ -108,10 +93,11 @@ Zero1DataParallel::Zero1DataParallel(const ModuleRef& module, std::shared_ptr<Wo
   }
   s.flat = std::make_unique<FlatParam>(all, s.world->rank(), s.world->size(), /*sharded=*/true, MixedPrecision{});
   s.flat->ensure_grad_buffer();
+  const std::weak_ptr<Zero1Shard> weak = shard_;  // the hooks outlive the engine inside autograd's graph
   for (const auto& p : s.flat->params()) {
-    auto accumulator = torch::autograd::impl::grad_accumulator(p);
-    accumulator->add_post_hook(std::make_unique<GradientHook>(shard_));
-    s.accumulators.push_back(std::move(accumulator));
+    s.accumulators.push_back(on_gradient_accumulated(p, [weak] {
+      if (auto shard = weak.lock()) shard->on_gradient(weak);
+    }));
   }
   s.sample_memory();
 }
