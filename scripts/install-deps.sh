@@ -7,6 +7,7 @@ PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config zlib1g-dev
   libtorch-dev            # libtorch 1.13.1 + c10d (ProcessGroupGloo, TCPStore, FileStore)
   libgloo-dev             # gloo headers that c10d's ProcessGroupGloo.hpp includes (not pulled in by libtorch-dev)
+  libopenmpi-dev openmpi-bin  # the mpi backend (Open MPI 4.1: mpi.h, libmpi, mpirun)
   libopenblas0-pthread    # libtorch calls libblas.so.3; reference BLAS is 10-20x slower
   libcli11-dev libfmt-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev libbenchmark-dev

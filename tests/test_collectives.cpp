@@ -26,7 +26,7 @@ void expect_all(const torch::Tensor& t, double value, const char* what, double r
 }  // namespace
 
 GRADSYNC_WORKER(collectives) {
-  auto world = gradsync::init({std::chrono::seconds(30), std::nullopt});
+  auto world = gradsync::init({std::chrono::seconds(30), std::nullopt, std::nullopt});
   auto& comm = world->comm();
   const int r = world->rank();
   const int n = world->size();
@@ -61,7 +61,7 @@ GRADSYNC_WORKER(collectives) {
   for (int q = 0; q < n; ++q) WORKER_CHECK(strings[static_cast<size_t>(q)].size() == static_cast<size_t>(q + 1), "");
 
   comm.barrier();
-  fmt::print("collectives ok on rank {} of {}\n", r, n);
+  fmt::print("collectives ok on rank {} of {} ({})\n", r, n, gradsync::to_string(world->backend()));
   return 0;
 }
 
@@ -81,7 +81,7 @@ TEST_P(Collectives, SumMeanBroadcastGatherScatterAreExact) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, testing::Values(1, 2, 3, 4));
 
 GRADSYNC_WORKER(dies_mid_allreduce) {
-  auto world = gradsync::init({std::chrono::seconds(20), std::nullopt});
+  auto world = gradsync::init({std::chrono::seconds(20), std::nullopt, std::nullopt});
   auto a = torch::ones({10});
   world->comm().allreduce(a, Reduction::Sum);
   if (world->rank() == 1) std::_Exit(7);

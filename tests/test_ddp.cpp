@@ -20,7 +20,7 @@ namespace nn = torch::nn;
 
 namespace {
 
-std::shared_ptr<gradsync::World> join() { return gradsync::init({std::chrono::seconds(60), std::nullopt}); }
+std::shared_ptr<gradsync::World> join() { return gradsync::init({std::chrono::seconds(60), std::nullopt, std::nullopt}); }
 
 nn::Sequential make_mlp(uint64_t seed) {
   torch::manual_seed(seed);

@@ -47,7 +47,7 @@ std::pair<torch::Tensor, torch::Tensor> data_for(int rank, size_t k, int64_t siz
 
 // args: reduction (global-mean | mean)
 GRADSYNC_WORKER(global_mean_uneven) {
-  auto world = gradsync::init({std::chrono::seconds(60), std::nullopt});
+  auto world = gradsync::init({std::chrono::seconds(60), std::nullopt, std::nullopt});
   const auto reduction = gradsync::parse_reduction(args.at(0));
   auto model = make_model();
   DdpOptions options;

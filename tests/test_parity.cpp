@@ -1,6 +1,7 @@
 // Parity with real PyTorch: `gradsync train` and tests/reference/torch_train.py (python3-torch, gloo backend,
 // torch.nn.parallel.DistributedDataParallel) start from the same initial state and data file and must end with
-// the same parameters (max relative difference <= 1e-5 per tensor) and the same per-step losses. Both run with
+// the same parameters (max relative difference <= 1e-5 per tensor) and the same per-step losses, on each of
+// gradsync's backends (gloo and mpi; PyTorch always runs on gloo). Both run with
 // OMP_NUM_THREADS=1 so that neither side's kernels split reductions differently.
 #include <fstream>
 
@@ -39,18 +40,15 @@ t::CommandOptions options() {
   return o;
 }
 
-// Runs both sides; returns compare_states.py's result (its last line is a JSON verdict).
-t::ProcessResult run_case(const ParityCase& c, const std::string& dir, const std::vector<std::string>& cpp_extra,
-                          bool expect_different) {
+// Both backends gradsync has, each checked against the same PyTorch run.
+const std::vector<std::string> kBackends{"gloo", "mpi"};
+
+// Runs PyTorch once and gradsync on every backend (DIR/gradsync-<backend>.pt/.jsonl); returns compare_states.py's
+// result per backend (its last line is a JSON verdict).
+std::vector<t::ProcessResult> run_case(const ParityCase& c, const std::string& dir,
+                                       const std::vector<std::string>& cpp_extra, bool expect_different) {
   auto made = parity::make_case(c, "7", dir, options());
   EXPECT_TRUE(made.ok()) << made.describe();
-
-  std::vector<std::string> cpp{GRADSYNC_BIN, "train"};
-  auto flags = parity::train_flags(c, dir, "gradsync", c.extra);
-  cpp.insert(cpp.end(), flags.begin(), flags.end());
-  cpp.insert(cpp.end(), cpp_extra.begin(), cpp_extra.end());
-  auto ours = t::run(cpp, options());
-  EXPECT_TRUE(ours.ok()) << ours.describe();
 
   std::vector<std::string> py{GRADSYNC_BIN, "launch", "-n", std::to_string(c.world), "--", kPython,
                               kReference + "/torch_train.py"};
@@ -59,10 +57,21 @@ t::ProcessResult run_case(const ParityCase& c, const std::string& dir, const std
   auto theirs = t::run(py, options());
   EXPECT_TRUE(theirs.ok()) << theirs.describe();
 
-  std::vector<std::string> compare{kPython, kReference + "/compare_states.py", dir + "/gradsync.pt",
-                                   dir + "/pytorch.pt", "--rtol", "1e-5"};
-  if (expect_different) compare.push_back("--expect-different");
-  return t::run(compare, options());
+  std::vector<t::ProcessResult> verdicts;
+  for (const auto& backend : kBackends) {
+    std::vector<std::string> cpp{GRADSYNC_BIN, "train", "--backend", backend};
+    auto flags = parity::train_flags(c, dir, "gradsync-" + backend, c.extra);
+    cpp.insert(cpp.end(), flags.begin(), flags.end());
+    cpp.insert(cpp.end(), cpp_extra.begin(), cpp_extra.end());
+    auto ours = t::run(cpp, options());
+    EXPECT_TRUE(ours.ok()) << backend << ": " << ours.describe();
+
+    std::vector<std::string> compare{kPython, kReference + "/compare_states.py", dir + "/gradsync-" + backend + ".pt",
+                                     dir + "/pytorch.pt", "--rtol", "1e-5"};
+    if (expect_different) compare.push_back("--expect-different");
+    verdicts.push_back(t::run(compare, options()));
+  }
+  return verdicts;
 }
 
 }  // namespace
@@ -72,20 +81,22 @@ class Parity : public testing::TestWithParam<ParityCase> {};
 TEST_P(Parity, FinalParametersAndLossesMatchPyTorchDdp) {
   const auto& c = GetParam();
   const std::string dir = t::make_temp_dir("gradsync-parity");
-  auto verdict = run_case(c, dir, {}, false);
-  EXPECT_TRUE(verdict.ok()) << verdict.describe();
-  std::cout << c.name << ": " << verdict.out.substr(verdict.out.rfind('{')) ;
-
-  auto ours = read_log(dir + "/gradsync.jsonl");
+  auto verdicts = run_case(c, dir, {}, false);
   auto theirs = read_log(dir + "/pytorch.jsonl");
-  ASSERT_EQ(ours.size(), theirs.size());
-  ASSERT_GT(ours.size(), 0u);
-  for (size_t i = 0; i < ours.size(); ++i) {
-    EXPECT_EQ(ours[i]["step"], theirs[i]["step"]);
-    EXPECT_EQ(ours[i]["epoch"], theirs[i]["epoch"]);
-    EXPECT_EQ(ours[i]["samples"], theirs[i]["samples"]);
-    const double a = ours[i]["loss"], b = theirs[i]["loss"];
-    EXPECT_NEAR(a, b, 1e-5 * std::max(1.0, std::abs(b))) << "step " << i;
+  ASSERT_GT(theirs.size(), 0u);
+  for (size_t v = 0; v < kBackends.size(); ++v) {
+    const auto& backend = kBackends[v];
+    EXPECT_TRUE(verdicts[v].ok()) << backend << ": " << verdicts[v].describe();
+    std::cout << c.name << " on " << backend << ": " << verdicts[v].out.substr(verdicts[v].out.rfind('{'));
+    auto ours = read_log(dir + "/gradsync-" + backend + ".jsonl");
+    ASSERT_EQ(ours.size(), theirs.size()) << backend;
+    for (size_t i = 0; i < ours.size(); ++i) {
+      EXPECT_EQ(ours[i]["step"], theirs[i]["step"]);
+      EXPECT_EQ(ours[i]["epoch"], theirs[i]["epoch"]);
+      EXPECT_EQ(ours[i]["samples"], theirs[i]["samples"]);
+      const double a = ours[i]["loss"], b = theirs[i]["loss"];
+      EXPECT_NEAR(a, b, 1e-5 * std::max(1.0, std::abs(b))) << backend << " step " << i;
+    }
   }
 }
 
@@ -107,6 +118,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(Parity, SumReductionDiffersFromPyTorchDdp) {
   ParityCase c{"N2_sum", "mlp:10-16-4", "ce", 64, 2, 1, 16, {"--steps", "3"}};
   const std::string dir = t::make_temp_dir("gradsync-parity");
-  auto verdict = run_case(c, dir, {"--reduction", "sum"}, true);
-  EXPECT_TRUE(verdict.ok()) << verdict.describe();
+  for (const auto& verdict : run_case(c, dir, {"--reduction", "sum"}, true)) {
+    EXPECT_TRUE(verdict.ok()) << verdict.describe();
+  }
 }

@@ -116,7 +116,7 @@ GRADSYNC_WORKER(init_and_allreduce) {
   // Time is measured inside the process: start-up of a loaded machine must not count against the deadline.
   const auto start = std::chrono::steady_clock::now();
   try {
-    auto world = gradsync::init({std::chrono::milliseconds(std::stoi(args.at(0))), std::nullopt});
+    auto world = gradsync::init({std::chrono::milliseconds(std::stoi(args.at(0))), std::nullopt, std::nullopt});
     auto t = torch::full({4}, std::pow(2.0, world->rank()));
     world->comm().allreduce(t, gradsync::Reduction::Sum);
     fmt::print("rank {} of {} sum {}\n", world->rank(), world->size(), t[0].item<double>());

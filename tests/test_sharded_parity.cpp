@@ -48,6 +48,33 @@ std::string tag_of(const std::vector<std::string>& strategy) {
   return tag;
 }
 
+// gradsync with one strategy on one backend against the PyTorch run in `dir`.
+void check_strategy(const ShardedParityCase& c, const std::string& dir, const std::vector<std::string>& strategy,
+                    const std::string& backend, const std::vector<nlohmann::json>& reference_log) {
+  const auto tag = tag_of(strategy) + "_" + backend;
+  std::vector<std::string> cpp{GRADSYNC_BIN, "train", "--backend", backend};
+  auto flags = parity::train_flags(c, dir, tag, c.flags);
+  cpp.insert(cpp.end(), flags.begin(), flags.end());
+  cpp.insert(cpp.end(), strategy.begin(), strategy.end());
+  auto ours = t::run(cpp, options());
+  ASSERT_TRUE(ours.ok()) << tag << ": " << ours.describe();
+  EXPECT_NE(ours.out.find("memory per rank"), std::string::npos) << ours.out;
+
+  auto verdict = t::run({kPython, kReference + "/compare_states.py", dir + "/" + tag + ".pt", dir + "/pytorch.pt",
+                         "--rtol", "1e-5"}, options());
+  EXPECT_TRUE(verdict.ok()) << tag << ": " << verdict.describe();
+  std::cout << c.name << " " << tag << ": " << verdict.out.substr(verdict.out.rfind('{'));
+
+  auto log = read_log(dir + "/" + tag + ".jsonl");
+  ASSERT_EQ(log.size(), reference_log.size()) << tag;
+  for (size_t i = 0; i < log.size(); ++i) {
+    EXPECT_EQ(log[i]["samples"], reference_log[i]["samples"]) << tag << " step " << i;
+    const double a = log[i]["loss"], b = reference_log[i]["loss"];
+    EXPECT_NEAR(a, b, 1e-5 * std::max(1.0, std::abs(b))) << tag << " step " << i;
+    EXPECT_TRUE(log[i].contains("memory_peak") && log[i].contains("sent_bytes")) << log[i].dump();
+  }
+}
+
 }  // namespace
 
 class ShardedParity : public testing::TestWithParam<ShardedParityCase> {};
@@ -67,27 +94,8 @@ TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
   ASSERT_GT(reference_log.size(), 0u);
 
   for (const auto& strategy : c.strategies) {
-    const auto tag = tag_of(strategy);
-    std::vector<std::string> cpp{GRADSYNC_BIN, "train"};
-    auto flags = parity::train_flags(c, dir, tag, c.flags);
-    cpp.insert(cpp.end(), flags.begin(), flags.end());
-    cpp.insert(cpp.end(), strategy.begin(), strategy.end());
-    auto ours = t::run(cpp, options());
-    ASSERT_TRUE(ours.ok()) << tag << ": " << ours.describe();
-    EXPECT_NE(ours.out.find("memory per rank"), std::string::npos) << ours.out;
-
-    auto verdict = t::run({kPython, kReference + "/compare_states.py", dir + "/" + tag + ".pt", dir + "/pytorch.pt",
-                           "--rtol", "1e-5"}, options());
-    EXPECT_TRUE(verdict.ok()) << tag << ": " << verdict.describe();
-    std::cout << c.name << " " << tag << ": " << verdict.out.substr(verdict.out.rfind('{'));
-
-    auto log = read_log(dir + "/" + tag + ".jsonl");
-    ASSERT_EQ(log.size(), reference_log.size()) << tag;
-    for (size_t i = 0; i < log.size(); ++i) {
-      EXPECT_EQ(log[i]["samples"], reference_log[i]["samples"]) << tag << " step " << i;
-      const double a = log[i]["loss"], b = reference_log[i]["loss"];
-      EXPECT_NEAR(a, b, 1e-5 * std::max(1.0, std::abs(b))) << tag << " step " << i;
-      EXPECT_TRUE(log[i].contains("memory_peak") && log[i].contains("sent_bytes")) << log[i].dump();
+    for (const char* backend : {"gloo", "mpi"}) {
+      check_strategy(c, dir, strategy, backend, reference_log);
     }
   }
 }

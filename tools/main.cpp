@@ -1,4 +1,4 @@
-// The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/).
+// The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/, bench/).
 #include <cstdio>
 #include <exception>
 
@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 
+#include "bench/bench.h"
 #include "lab/lab.h"
 #include "launch/launch.h"
 #include "train/train.h"
@@ -17,6 +18,7 @@ int main(int argc, char** argv) {
   gradsync::cli::add_launch_command(app, exit_code);
   gradsync::cli::add_train_command(app, exit_code);
   gradsync::cli::add_lab_command(app, exit_code);
+  gradsync::cli::add_bench_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,39 +1,50 @@
-// defines: Collectives, the typed layer between gradsync and a c10d process group. Every reduction states its
-// semantics (Reduction::Sum or Reduction::Mean) and every failure names the rank, the operation and its
-// sequence number.
+// defines: Collectives, the typed layer between gradsync and its transport (c10d Gloo or Open MPI, see
+// Backend in runtime.h). Every reduction states its semantics (Reduction::Sum or Reduction::Mean), every wait has
+// the job's timeout, and every failure names the rank, the backend, the operation and its sequence number.
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
 
 #include "gradsync/reduction.h"
 
 namespace gradsync {
 
-// An operation in flight. wait() rethrows a transport failure as DistributedError naming rank and operation.
+// Which engine moves the bytes. Gloo: c10d's ProcessGroupGloo over TCP, rendezvous through a c10d store
+// (torchrun, `gradsync launch`). Mpi: Open MPI (shared memory within a host), ranks started by mpirun. Both give
+// the same results bit for bit on the operations below except where a sum's order differs (see docs/semantics.md).
+enum class Backend { Gloo, Mpi };
+const char* to_string(Backend backend);  // "gloo" / "mpi"
+
+class Transport;      // src/runtime/transport.h: Gloo or MPI
+class TransportWork;
+
+// An operation in flight. wait() rethrows a transport failure, or the deadline passing, as DistributedError
+// naming rank and operation.
 class PendingWork {
  public:
   PendingWork() = default;
-  PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what);
+  PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout);
   bool valid() const { return static_cast<bool>(work_); }
   void wait();
 
  private:
-  c10::intrusive_ptr<c10d::Work> work_;
-  std::string what_;  // "rank 1 of 4: allreduce #12 (sum, 262144 x float)" for error messages
+  std::shared_ptr<TransportWork> work_;
+  std::string what_;  // "rank 1 of 4: allreduce #12 (sum, 262144 x float) on gloo" for error messages
+  std::chrono::milliseconds timeout_{0};
 };
 
 class Collectives {
  public:
-  Collectives(c10::intrusive_ptr<c10d::ProcessGroup> group, int rank, int size);
+  Collectives(std::shared_ptr<Transport> transport, int rank, int size, std::chrono::milliseconds timeout);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+  Backend backend() const;
 
   // In place. Mean multiplies by 1/N before a SUM allreduce (see Note [Where the division happens]).
   void allreduce(torch::Tensor& tensor, Reduction reduction);
@@ -44,9 +55,12 @@ class Collectives {
   void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, int root);
   // output[r*n : (r+1)*n] = input of rank r, where n = input.numel(). output.numel() must be size()*n.
   void allgather_flat(const torch::Tensor& input, torch::Tensor& output);
+  PendingWork allgather_flat_async(const torch::Tensor& input, torch::Tensor& output);  // done at wait()
   // output (n elements) on rank r = reduction over ranks of input[r*n : (r+1)*n]; input.numel() = size()*n.
-  // Gloo 1.13 has no reduce_scatter: alltoall_base then a local sum moves the same bytes per rank.
+  // MPI: MPI_Reduce_scatter_block. Gloo 1.13 has none: alltoall_base then a local sum moves the same bytes.
   void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction);
+  // The same, finished (output written) by PendingWork::wait(); input must not change until then.
+  PendingWork reduce_scatter_async(const torch::Tensor& input, torch::Tensor& output, Reduction reduction);
   // Every rank's string, in rank order (used for cross-rank consistency checks).
   std::vector<std::string> allgather_strings(const std::string& mine);
   void barrier();
@@ -55,10 +69,12 @@ class Collectives {
   std::string describe(const char* op, const torch::Tensor* tensor, const char* detail = nullptr);
   void check_contiguous(const torch::Tensor& t, const char* op) const;
   void reject_global_mean(Reduction reduction, const char* op) const;
+  void run(std::shared_ptr<TransportWork> work, std::string what);
 
-  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::shared_ptr<Transport> transport_;
   int rank_;
   int size_;
+  std::chrono::milliseconds timeout_;
   uint64_t sequence_ = 0;  // counts operations so an error can say which one failed
 };
 

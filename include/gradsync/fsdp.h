@@ -111,6 +111,11 @@ struct FsdpOptions {
   bool broadcast_buffers = true;         // rank 0's buffers before a forward that follows a synced one (as DDP)
   OrderChecking order_checking = OrderChecking::FirstStep;
   ShardedAccumulation accumulation = ShardedAccumulation::UnshardedGradients;  // what accumulate() does
+  // FULL_SHARD: start the next unit's all-gather while this one computes, in forward (a Sequential's next child
+  // unit) and in backward (the unit backward reaches next), with at most two units gathered besides the root
+  // (PyTorch's limit_all_gathers). false: one unit at a time, the lowest peak. Reduce-scatters always overlap the
+  // rest of backward (one in flight), collected before backward() returns.
+  bool prefetch = true;
 };
 
 struct UnitInfo {

@@ -1,6 +1,6 @@
 // defines: joining a job the way torchrun's workers do: LaunchEnv and read_launch_env() (a launcher's variables
-// -- torchrun, gradsync launch, OpenMPI's mpirun -- validated before any socket is opened), World (this process's
-// place in the job: rank, size, store, process group, collectives) and init().
+// -- torchrun, gradsync launch, OpenMPI's mpirun -- validated before any socket is opened), the backend choice,
+// World (this process's place in the job: rank, size, backend, collectives) and init().
 #pragma once
 #include <chrono>
 #include <functional>
@@ -8,7 +8,6 @@
 #include <optional>
 #include <string>
 
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "gradsync/collectives.h"
@@ -26,15 +25,21 @@ struct LaunchEnv {
   bool agent_store = false; // torchrun's TORCHELASTIC_USE_AGENT_STORE: every rank is a store client
   int restart_count = 0;    // TORCHELASTIC_RESTART_COUNT: keeps store keys of a restarted job apart
   std::string source;       // "torchrun", "openmpi" or "none" (single process)
+  // GRADSYNC_BACKEND=gloo|mpi; unset: mpi under mpirun (source "openmpi"), gloo everywhere else. Gloo needs a
+  // store (MASTER_ADDR/MASTER_PORT or GRADSYNC_STORE_FILE) for more than one rank; MPI needs none.
+  Backend backend = Backend::Gloo;
 };
+
+// "gloo" -> Backend::Gloo, "mpi" -> Backend::Mpi; anything else is a ConfigError naming `what` and the choices.
+Backend parse_backend(const std::string& name, const std::string& what);
 
 // Looks a variable up; returns nullopt when unset. The default reads the process environment.
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 std::optional<std::string> process_env(const std::string& name);
 
 // Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun) or
-// OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (OpenMPI). With none of them set, the result is a
-// single-process world. Throws ConfigError naming the variable and its value for anything missing, not an
+// OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (OpenMPI), and GRADSYNC_BACKEND. With none of the rank
+// variables set, the result is a single-process world. Throws ConfigError naming the variable and its value for anything missing, not an
 // integer, or out of range.
 LaunchEnv read_launch_env(const EnvLookup& lookup = process_env);
 
@@ -45,12 +50,13 @@ struct InitOptions {
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
   // The launcher environment; by default read from the process environment with read_launch_env().
   std::optional<LaunchEnv> env;
+  // Overrides the environment's backend (LaunchEnv::backend).
+  std::optional<Backend> backend;
 };
 
 class World {
  public:
-  World(LaunchEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
-        std::chrono::milliseconds timeout);
+  World(LaunchEnv env, std::shared_ptr<Transport> transport, std::chrono::milliseconds timeout);
 
   int rank() const { return env_.rank; }
   int size() const { return env_.world_size; }
@@ -58,25 +64,23 @@ class World {
   int local_size() const { return env_.local_world_size; }
   bool is_main() const { return env_.rank == 0; }
   const LaunchEnv& env() const { return env_; }
+  Backend backend() const { return env_.backend; }
   std::chrono::milliseconds timeout() const { return timeout_; }
   Collectives& comm() { return comm_; }
-  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
-  const c10::intrusive_ptr<c10d::ProcessGroupGloo>& process_group() const { return group_; }
 
  private:
   LaunchEnv env_;
-  c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
   std::chrono::milliseconds timeout_;
   Collectives comm_;
 };
 
-// Reads and validates the environment (ConfigError before any socket is opened), connects to the store
+// Reads and validates the environment (ConfigError before any socket is opened). Gloo: connects to the store
 // (GRADSYNC_STORE_FILE's FileStore, else a TCPStore at MASTER_ADDR:MASTER_PORT served by rank 0), checks
 // that ranks are distinct and agree on the world size (src/runtime/rendezvous.h), then creates a ProcessGroupGloo.
+// MPI: initialises MPI (once per process) and checks that MPI's ranks are the environment's.
 std::shared_ptr<World> init(const InitOptions& options = {});
 
-// The same on a store the caller made (tests: a FileStore in a temp dir).
+// Gloo on a store the caller made (tests: a FileStore in a temp dir).
 std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
                                        std::chrono::milliseconds timeout);
 

@@ -90,5 +90,8 @@ struct CommStats {
 
 // /proc/self/io "wchar": bytes this process has written with write()/writev() (sockets and files), -1 if unknown.
 int64_t process_bytes_written();
+// /proc/self/status "VmHWM": this process's peak resident memory in bytes (everything, not only tensors), -1 if
+// unknown.
+int64_t process_peak_resident_bytes();
 
 }  // namespace gradsync

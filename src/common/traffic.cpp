@@ -39,4 +39,12 @@ int64_t process_bytes_written() {
   return -1;
 }
 
+int64_t process_peak_resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;  // "VmHWM:   123456 kB"
+  }
+  return -1;
+}
+
 }  // namespace gradsync

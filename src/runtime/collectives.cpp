@@ -1,4 +1,5 @@
-// Typed collectives over a c10d process group (see collectives.h).
+// Typed collectives over a transport (see collectives.h): checks, scaling and error messages, once for both
+// backends; the bytes move in src/runtime/{gloo,mpi}_transport.cpp.
 #include "gradsync/collectives.h"
 
 #include <cstring>
@@ -7,32 +8,41 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
+#include "runtime/transport.h"
 
 namespace gradsync {
 
-PendingWork::PendingWork(c10::intrusive_ptr<c10d::Work> work, std::string what)
-    : work_(std::move(work)), what_(std::move(what)) {}
+const char* to_string(Backend backend) { return backend == Backend::Mpi ? "mpi" : "gloo"; }
+
+PendingWork::PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout)
+    : work_(std::move(work)), what_(std::move(what)), timeout_(timeout) {}
 
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);
   try {
-    work->wait();
+    work->wait(timeout_);
   } catch (const std::exception& e) {
-    // Gloo names only IP:port; say which rank and which operation, and where to look for the peer's fate.
+    // Transports name only addresses; say which rank and which operation, and where to look for the peer's fate.
     throw DistributedError(fmt::format("{} failed: {} (another rank exited, crashed or stalled; the launcher's "
                                        "report names it)", what_, e.what()));
   }
 }
 
-Collectives::Collectives(c10::intrusive_ptr<c10d::ProcessGroup> group, int rank, int size)
-    : group_(std::move(group)), rank_(rank), size_(size) {}
+Collectives::Collectives(std::shared_ptr<Transport> transport, int rank, int size, std::chrono::milliseconds timeout)
+    : transport_(std::move(transport)), rank_(rank), size_(size), timeout_(timeout) {}
+
+Backend Collectives::backend() const { return transport_->backend(); }
 
 std::string Collectives::describe(const char* op, const torch::Tensor* tensor, const char* detail) {
   ++sequence_;
   std::string shape = tensor ? fmt::format(", {} x {}", tensor->numel(), c10::toString(tensor->scalar_type())) : "";
-  return fmt::format("rank {} of {}: {} #{}{}{}", rank_, size_, op, sequence_,
-                     detail ? fmt::format(" ({})", detail) : std::string(), shape);
+  return fmt::format("rank {} of {}: {} #{}{}{} on {}", rank_, size_, op, sequence_,
+                     detail ? fmt::format(" ({})", detail) : std::string(), shape, to_string(backend()));
+}
+
+void Collectives::run(std::shared_ptr<TransportWork> work, std::string what) {
+  PendingWork(std::move(work), std::move(what), timeout_).wait();
 }
 
 void Collectives::reject_global_mean(Reduction reduction, const char* op) const {
@@ -59,18 +69,14 @@ void Collectives::allreduce(torch::Tensor& tensor, Reduction reduction) {
 
 PendingWork Collectives::allreduce_sum_async(torch::Tensor& tensor) {
   check_contiguous(tensor, "allreduce");
-  std::vector<at::Tensor> list{tensor};
   auto what = describe("allreduce", &tensor, "sum");
-  return PendingWork(group_->allreduce(list, c10d::AllreduceOptions{}), std::move(what));
+  return PendingWork(transport_->allreduce_sum(tensor), std::move(what), timeout_);
 }
 
 void Collectives::broadcast(torch::Tensor& tensor, int root) {
   check_contiguous(tensor, "broadcast");
-  std::vector<at::Tensor> list{tensor};
-  c10d::BroadcastOptions options;
-  options.rootRank = root;
   auto what = describe("broadcast", &tensor, fmt::format("from rank {}", root).c_str());
-  PendingWork(group_->broadcast(list, options), std::move(what)).wait();
+  run(transport_->broadcast(tensor, root), std::move(what));
 }
 
 void Collectives::broadcast_coalesced(const std::vector<torch::Tensor>& tensors, int root) {
@@ -93,6 +99,10 @@ void Collectives::broadcast_coalesced(const std::vector<torch::Tensor>& tensors,
 }
 
 void Collectives::allgather_flat(const torch::Tensor& input, torch::Tensor& output) {
+  allgather_flat_async(input, output).wait();
+}
+
+PendingWork Collectives::allgather_flat_async(const torch::Tensor& input, torch::Tensor& output) {
   check_contiguous(input, "allgather");
   check_contiguous(output, "allgather");
   const int64_t n = input.numel();
@@ -100,31 +110,29 @@ void Collectives::allgather_flat(const torch::Tensor& input, torch::Tensor& outp
     throw ConfigError(fmt::format("rank {}: allgather_flat output has {} elements; expected {} x {} = {}", rank_,
                                   output.numel(), size_, n, n * size_));
   }
-  // Gloo 1.13 has no _allgather_base: narrow views of one flat buffer as the output list gather in place.
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  auto flat_out = output.view({-1});
-  for (int r = 0; r < size_; ++r) outputs[0].push_back(flat_out.narrow(0, r * n, n));
-  std::vector<at::Tensor> inputs{input.reshape({-1})};
   auto what = describe("allgather", &input);
-  PendingWork(group_->allgather(outputs, inputs), std::move(what)).wait();
+  return PendingWork(transport_->allgather(input, output), std::move(what), timeout_);
 }
 
 void Collectives::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction) {
+  reduce_scatter_async(input, output, reduction).wait();
+}
+
+PendingWork Collectives::reduce_scatter_async(const torch::Tensor& input, torch::Tensor& output,
+                                              Reduction reduction) {
   reject_global_mean(reduction, "reduce_scatter");
   check_contiguous(input, "reduce_scatter");
+  check_contiguous(output, "reduce_scatter");
   const int64_t n = output.numel();
   if (input.numel() != n * size_) {
     throw ConfigError(fmt::format("rank {}: reduce_scatter input has {} elements; expected {} x {} = {}", rank_,
                                   input.numel(), size_, n, n * size_));
   }
-  // alltoall: chunk r of every rank's input lands on rank r, as [size, n]; the sum over dim 0 is the reduction.
   auto source = input.reshape({-1});
+  // See Note [Where the division happens]: x 1/N on a copy (the caller's input stays as it was), then a SUM.
   if (reduction == Reduction::Mean && size_ > 1) source = source.mul(1.0 / size_);
-  auto received = torch::empty_like(source);
-  std::vector<int64_t> equal_splits;  // empty: n elements to and from every rank
   auto what = describe("reduce_scatter", &input, to_string(reduction));
-  PendingWork(group_->alltoall_base(received, source, equal_splits, equal_splits), std::move(what)).wait();
-  output.view({-1}).copy_(received.view({size_, n}).sum(0));
+  return PendingWork(transport_->reduce_scatter_sum(source, output), std::move(what), timeout_);
 }
 
 std::vector<std::string> Collectives::allgather_strings(const std::string& mine) {
@@ -147,7 +155,7 @@ std::vector<std::string> Collectives::allgather_strings(const std::string& mine)
 
 void Collectives::barrier() {
   auto what = describe("barrier", nullptr);
-  PendingWork(group_->barrier(c10d::BarrierOptions{}), std::move(what)).wait();
+  run(transport_->barrier(), std::move(what));
 }
 
 }  // namespace gradsync

@@ -86,6 +86,13 @@ void read_store_location(const EnvLookup& env, LaunchEnv& e) {
   }
 }
 
+Backend read_backend(const EnvLookup& env, const char* source) {
+  if (auto value = env("GRADSYNC_BACKEND"); value && !value->empty()) {
+    return parse_backend(*value, "environment variable GRADSYNC_BACKEND");
+  }
+  return std::string(source) == "openmpi" ? Backend::Mpi : Backend::Gloo;
+}
+
 LaunchEnv read_family(const EnvLookup& env, const VariableNames& names, const char* source) {
   LaunchEnv e;
   e.source = source;
@@ -95,7 +102,9 @@ LaunchEnv read_family(const EnvLookup& env, const VariableNames& names, const ch
   e.local_world_size = optional_int(env, names.local_world_size, e.world_size, "an integer >= 1");
   e.local_rank = optional_int(env, names.local_rank, e.rank, "0 <= LOCAL_RANK < LOCAL_WORLD_SIZE");
   check_ranks(names, e);
-  read_store_location(env, e);
+  e.backend = read_backend(env, source);
+  // MPI needs no store; a store given anyway (torchrun's variables under mpirun) is still read and checked.
+  if (e.backend == Backend::Gloo || env("MASTER_ADDR") || env("GRADSYNC_STORE_FILE")) read_store_location(env, e);
   auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
   e.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   e.restart_count = optional_int(env, "TORCHELASTIC_RESTART_COUNT", 0, "an integer >= 0");
@@ -103,6 +112,12 @@ LaunchEnv read_family(const EnvLookup& env, const VariableNames& names, const ch
 }
 
 }  // namespace
+
+Backend parse_backend(const std::string& name, const std::string& what) {
+  if (name == "gloo") return Backend::Gloo;
+  if (name == "mpi") return Backend::Mpi;
+  throw ConfigError(fmt::format("{}='{}' is not a backend; expected gloo or mpi", what, name));
+}
 
 std::optional<std::string> process_env(const std::string& name) {
   const char* value = std::getenv(name.c_str());
@@ -115,6 +130,7 @@ LaunchEnv read_launch_env(const EnvLookup& env) {
   if (env(kOpenMpi.rank) || env(kOpenMpi.world_size)) return read_family(env, kOpenMpi, "openmpi");
   LaunchEnv single;
   single.source = "none";
+  single.backend = read_backend(env, "none");
   return single;
 }
 

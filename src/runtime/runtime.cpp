@@ -1,4 +1,5 @@
-// Joining a job: environment -> store -> rendezvous check -> ProcessGroupGloo (see runtime.h).
+// Joining a job (see runtime.h): environment -> Gloo: store -> rendezvous check -> ProcessGroupGloo;
+// MPI: MPI_Init -> rank check.
 #include "gradsync/runtime.h"
 
 #include <unistd.h>
@@ -11,6 +12,7 @@
 
 #include "gradsync/error.h"
 #include "runtime/rendezvous.h"
+#include "runtime/transport.h"
 
 namespace gradsync {
 namespace {
@@ -19,10 +21,6 @@ std::string host_name() {
   char buf[256] = {0};
   if (gethostname(buf, sizeof(buf) - 1) != 0) return "unknown-host";
   return buf;
-}
-
-bool is_loopback(const std::string& addr) {
-  return addr.empty() || addr == "localhost" || addr.rfind("127.", 0) == 0 || addr == "::1";
 }
 
 c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout) {
@@ -45,15 +43,6 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono:
   }
 }
 
-std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
-  if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME")) {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(iface);
-  }
-  // A local job keeps its Gloo listeners on loopback; a multi-host job needs a routable address.
-  if (is_loopback(env.master_addr)) return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
-
 // A FileStore deletes its file when as many processes as it was told have destroyed it. After a failed
 // rendezvous those counts disagree (a rank with the wrong WORLD_SIZE, a duplicate), so a failing process could
 // delete the file under a peer that has not read it yet, leaving that peer waiting for its timeout instead of
@@ -65,13 +54,8 @@ void keep_store_alive(const c10::intrusive_ptr<c10d::Store>& store) {
 
 }  // namespace
 
-World::World(LaunchEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::ProcessGroupGloo> group,
-             std::chrono::milliseconds timeout)
-    : env_(std::move(env)),
-      store_(std::move(store)),
-      group_(std::move(group)),
-      timeout_(timeout),
-      comm_(group_, env_.rank, env_.world_size) {}
+World::World(LaunchEnv env, std::shared_ptr<Transport> transport, std::chrono::milliseconds timeout)
+    : env_(std::move(env)), timeout_(timeout), comm_(std::move(transport), env_.rank, env_.world_size, timeout) {}
 
 std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,
                                        std::chrono::milliseconds timeout) {
@@ -85,21 +69,20 @@ std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, co
     keep_store_alive(store);
     throw;
   }
-  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-  options->devices.push_back(gloo_device(env));
-  auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/pg", store);
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-  try {
-    group = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, env.rank, env.world_size, options);
-  } catch (const std::exception& e) {
-    throw DistributedError(fmt::format("rank {} of {}: cannot connect the Gloo process group: {}", env.rank,
-                                       env.world_size, e.what()));
-  }
-  return std::make_shared<World>(env, store, group, timeout);
+  LaunchEnv gloo_env = env;
+  gloo_env.backend = Backend::Gloo;
+  return std::make_shared<World>(gloo_env, make_gloo_transport(store, env, timeout), timeout);
 }
 
 std::shared_ptr<World> init(const InitOptions& options) {
   LaunchEnv env = options.env ? *options.env : read_launch_env();
+  if (options.backend) env.backend = *options.backend;
+  if (env.backend == Backend::Mpi) return std::make_shared<World>(env, make_mpi_transport(env), options.timeout);
+  if (env.world_size > 1 && env.store_file.empty() && env.master_addr.empty()) {
+    throw ConfigError(fmt::format("rank {} of {}: the gloo backend needs a rendezvous store: set MASTER_ADDR and "
+                                  "MASTER_PORT (or run under `gradsync launch`), or use the mpi backend under mpirun",
+                                  env.rank, env.world_size));
+  }
   auto store = connect_store(env, options.timeout);
   return init_with_store(std::move(store), env, options.timeout);
 }

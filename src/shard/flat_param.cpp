@@ -75,6 +75,11 @@ int64_t FlatParam::full_bytes() const {
 }
 
 void FlatParam::gather(Collectives& comm, CommStats& stats) {
+  start_gather(comm, stats);
+  wait_gathered();
+}
+
+void FlatParam::start_gather(Collectives& comm, CommStats& stats) {
   if (aliases_master_ || gathered_) return;
   torch::NoGradGuard no_grad;
   resize_storage(full_, full_bytes());
@@ -84,14 +89,17 @@ void FlatParam::gather(Collectives& comm, CommStats& stats) {
     auto input = shard_.detach().to(compute_dtype_).contiguous();
     auto source = gloo_copyable(input);
     auto output = gloo_copyable(full_);
-    comm.allgather_flat(source, output);
+    gather_work_ = comm.allgather_flat_async(source, output);
     stats.add_allgather(full_bytes(), world_);
   }
   gathered_ = true;
 }
 
+void FlatParam::wait_gathered() { gather_work_.wait(); }
+
 void FlatParam::free() {
   if (aliases_master_ || !gathered_) return;
+  wait_gathered();  // never release storage an all-gather is still writing
   resize_storage(full_, 0);
   gathered_ = false;
 }
@@ -115,6 +123,11 @@ void FlatParam::release_grad_buffer() {
 }
 
 void FlatParam::reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats) {
+  start_reduce(comm, reduction, stats);
+  finish_reduce();
+}
+
+void FlatParam::start_reduce(Collectives& comm, Reduction reduction, CommStats& stats) {
   ensure_grad_buffer();  // a unit that received no gradient on this rank contributes zeros
   torch::NoGradGuard no_grad;
   const auto reduce_dtype = precision_.reduce(master_dtype_);
@@ -125,19 +138,27 @@ void FlatParam::reduce_grads(Collectives& comm, Reduction reduction, CommStats& 
     grad.mul_(1.0 / world_);
   }
   if (wire_dtype != reduce_dtype) grad = grad.to(wire_dtype);  // See Note [Mixed precision on Gloo]
-  torch::Tensor mine;
   if (world_ == 1) {
-    mine = grad.narrow(0, 0, shard_numel_);
+    reduced_ = grad.narrow(0, 0, shard_numel_);
   } else if (sharded_) {
-    mine = torch::empty({shard_numel_}, grad.options());
-    comm.reduce_scatter(grad, mine, Reduction::Sum);
+    reduced_ = torch::empty({shard_numel_}, grad.options());
+    reduce_work_ = comm.reduce_scatter_async(grad, reduced_, Reduction::Sum);
     stats.add_reduce_scatter(grad.numel() * static_cast<int64_t>(grad.element_size()), world_);
   } else {
-    comm.allreduce(grad, Reduction::Sum);
+    reduce_work_ = comm.allreduce_sum_async(grad);
     stats.add_allreduce(grad.numel() * static_cast<int64_t>(grad.element_size()), world_);
-    mine = grad;
+    reduced_ = grad;
   }
-  if (wire_dtype != reduce_dtype) mine = mine.to(reduce_dtype);
+}
+
+void FlatParam::finish_reduce() {
+  if (!reduced_.defined()) return;
+  reduce_work_.wait();
+  torch::NoGradGuard no_grad;
+  auto mine = std::move(reduced_);
+  reduced_ = torch::Tensor();
+  const auto reduce_dtype = precision_.reduce(master_dtype_);
+  if (mine.scalar_type() != reduce_dtype) mine = mine.to(reduce_dtype);  // See Note [Mixed precision on Gloo]
   if (mine.scalar_type() != master_dtype_) mine = mine.to(master_dtype_);
   auto& shard_grad = shard_.mutable_grad();
   if (shard_grad.defined()) {

@@ -59,7 +59,11 @@ class FlatParam {
   bool gathered() const { return gathered_; }
   // The full buffer is the master shard itself (one owner, no casting): nothing to gather or free.
   bool aliases_master() const { return aliases_master_; }
-  void gather(Collectives& comm, CommStats& stats);  // no-op when gathered
+  void gather(Collectives& comm, CommStats& stats);  // start_gather + wait_gathered
+  // Starts the all-gather into the full buffer (gathered() is true from here: the storage exists); the values are
+  // there once wait_gathered() returns. No-op when gathered.
+  void start_gather(Collectives& comm, CommStats& stats);
+  void wait_gathered();                              // no-op when no all-gather is in flight
   void free();                                       // no-op when aliasing the master or already free
 
   bool has_grad_buffer() const { return grad_buffer_.defined(); }
@@ -69,7 +73,13 @@ class FlatParam {
   // Reduces the unsharded gradient over ranks (see Note [Where the division happens]) in the reduce dtype (see
   // Note [Mixed precision on Gloo]), adds this rank's part to shard().grad() (sets it when undefined), then
   // releases the buffer: reduce-scatter when sharded, allreduce otherwise.
-  void reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats);
+  void reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats);  // start_reduce + finish_reduce
+  // The same in two halves: the reduction starts (the gradient buffer must not change until finish_reduce(), which
+  // waits for it, adds this rank's part into shard().grad() and releases the buffer). finish_reduce() is a no-op
+  // when none is in flight.
+  void start_reduce(Collectives& comm, Reduction reduction, CommStats& stats);
+  void finish_reduce();
+  bool reduce_pending() const { return reduced_.defined(); }
   void release_grad_buffer();  // .grad of the parameters becomes undefined
 
   // The full padded master values, gathered from every rank (a collective when sharded).
@@ -95,6 +105,9 @@ class FlatParam {
   torch::Tensor shard_;        // master shard (leaf, requires grad)
   torch::Tensor full_;         // full buffer in the compute dtype; storage freed when not gathered
   torch::Tensor grad_buffer_;  // unsharded gradient (compute dtype), undefined when released
+  PendingWork gather_work_;    // the all-gather into full_ in flight, if any
+  PendingWork reduce_work_;    // the reduction into reduced_ in flight, if any
+  torch::Tensor reduced_;      // this rank's reduced part (wire dtype) until finish_reduce(); undefined otherwise
   bool aliases_master_ = false;
   bool gathered_ = false;
 };

@@ -12,32 +12,76 @@ namespace gradsync {
 namespace {
 
 constexpr const char* kWho = "FullyShardedDataParallel";
+// limit_all_gathers: FULL_SHARD holds at most this many gathered units besides the root (the one computing and
+// the one prefetched), and at most this many reductions in flight (each holds its unsharded gradient).
+constexpr size_t kMaxGatheredUnits = 2;
+constexpr size_t kMaxReductionsInFlight = 1;
 
 }  // namespace
 
 void ShardedUnits::sample_memory() const { meter.sample(count_memory(flat_views, optimizer)); }
 
 void ShardedUnits::gather(size_t u, OrderCheck::Op op) {
+  start_gather(u, op);
+  flats[u]->wait_gathered();  // a prefetched unit: its all-gather ends here
+}
+
+// Every unit collective starts here or in start_reduce(), so the order check and the join replay see them all, in
+// the order every rank issues them.
+void ShardedUnits::start_gather(size_t u, OrderCheck::Op op) {
   auto& flat = *flats[u];
   if (flat.gathered()) return;
   order->expect(comm(), op, u, flat.padded_numel());
-  flat.gather(comm(), traffic);
+  flat.start_gather(comm(), traffic);
   step_collectives.emplace_back(op, u);
   sample_memory();
 }
 
 void ShardedUnits::reduce(size_t u) {
+  start_reduce(u);
+  flats[u]->finish_reduce();
+  sample_memory();
+}
+
+void ShardedUnits::start_reduce(size_t u) {
   auto& flat = *flats[u];
   order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
-  flat.reduce_grads(comm(), options.reduction, traffic);
+  flat.start_reduce(comm(), options.reduction, traffic);
   step_collectives.emplace_back(OrderCheck::Op::ReduceGrad, u);
-  sample_memory();
+}
+
+void ShardedUnits::finish_reductions(size_t keep_in_flight) {
+  while (reductions_in_flight.size() > keep_in_flight) {
+    flats[reductions_in_flight.front()]->finish_reduce();
+    reductions_in_flight.pop_front();
+    sample_memory();
+  }
+}
+
+size_t ShardedUnits::gathered_units() const {
+  size_t n = 0;
+  for (size_t u = 0; u < flats.size(); ++u) n += !is_root(u) && !flats[u]->aliases_master() && flats[u]->gathered();
+  return n;
+}
+
+// Backward runs the units in reverse forward order: the next one is the last unit of this forward still waiting for
+// its gradient. Its all-gather starts now (FULL_SHARD freed it after forward), within kMaxGatheredUnits.
+void ShardedUnits::prefetch_backward() {
+  if (options.strategy != ShardingStrategy::FullShard || !options.prefetch) return;
+  if (gathered_units() >= kMaxGatheredUnits) return;
+  for (auto it = forward_order.rbegin(); it != forward_order.rend(); ++it) {
+    const auto& p = progress[*it];
+    if (!p.needs_backward || p.post_backward_done || flats[*it]->gathered()) continue;
+    start_gather(*it, OrderCheck::Op::BackwardGather);
+    return;
+  }
 }
 
 void ShardedUnits::begin_forward() {
   if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kWho));
   in_forward = true;
   step_collectives.clear();
+  forward_order.clear();
   for (size_t u = 0; u < progress.size(); ++u) progress[u] = Progress{false, flats[u]->params().size(), false};
   buffers.before_forward(comm());
   if (root >= 0) {
@@ -53,6 +97,13 @@ torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor
     throw Error(fmt::format("{}: unit('{}') called outside forward_with()", kWho, flats[u]->name()));
   }
   gather(u, OrderCheck::Op::ForwardGather);
+  forward_order.push_back(u);
+  if (forward_next && options.prefetch) {  // run_sequential knows the next unit: its gather overlaps this forward
+    const size_t next = *forward_next;
+    const bool keeps_all = options.strategy == ShardingStrategy::ShardGradOp;  // holds every unit anyway
+    if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(next, OrderCheck::Op::ForwardGather);
+  }
+  forward_next.reset();
   auto output = fn();
   if (torch::GradMode::is_enabled() && output.requires_grad()) {
     progress[u].needs_backward = true;
@@ -88,6 +139,12 @@ torch::Tensor ShardedUnits::run_sequential(const torch::Tensor& input) {
       continue;
     }
     const auto& plan = plans[static_cast<size_t>(starts[i])];
+    for (size_t j = plan.last_child + 1; j < starts.size(); ++j) {
+      if (starts[j] >= 0) {
+        forward_next = static_cast<size_t>(starts[j]);
+        break;
+      }
+    }
     x = run_unit(static_cast<size_t>(starts[i]), [&] {
       for (size_t j = plan.first_child; j <= plan.last_child; ++j) x = children[static_cast<int64_t>(j)].forward(x);
       return x;
@@ -121,9 +178,10 @@ void ShardedUnits::start_backward() {
 
 void ShardedUnits::pre_backward(size_t u) {
   start_backward();
-  gather(u, OrderCheck::Op::BackwardGather);  // FULL_SHARD freed it after forward
+  gather(u, OrderCheck::Op::BackwardGather);  // FULL_SHARD freed it after forward (or prefetched it)
   flats[u]->ensure_grad_buffer();
   sample_memory();
+  prefetch_backward();
 }
 
 void ShardedUnits::grad_ready(size_t u) {
@@ -142,9 +200,15 @@ void ShardedUnits::post_backward(size_t u) {
   progress[u].post_backward_done = true;
   flat.ensure_grad_buffer();
   sample_memory();  // the unit's peak: gathered parameters and unsharded gradient together
-  if (backward_sync) reduce(u);
+  if (backward_sync) {
+    // The reduction runs while backward goes on with earlier units; finalize_backward() collects it.
+    start_reduce(u);
+    reductions_in_flight.push_back(u);
+    finish_reductions(kMaxReductionsInFlight);
+  }
   // FULL_SHARD reshards as soon as the unit's backward is done; the others keep parameters until the end.
   if (options.strategy == ShardingStrategy::FullShard) flat.free();
+  prefetch_backward();
 }
 
 void ShardedUnits::finalize_backward() {
@@ -154,6 +218,7 @@ void ShardedUnits::finalize_backward() {
   for (size_t u = 0; u < flats.size(); ++u) {
     if (progress[u].needs_backward && !progress[u].post_backward_done) post_backward(u);
   }
+  finish_reductions(0);
   end_synced_backward();
 }
 

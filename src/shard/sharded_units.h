@@ -3,6 +3,7 @@
 // and the replay of a step's unit collectives for a rank that joins without data.
 #pragma once
 #include <cstddef>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -54,6 +55,9 @@ class ShardedUnits {
   bool callback_queued = false;
   bool in_forward = false;
   std::vector<Collective> step_collectives;                // this forward/backward's, in order
+  std::vector<size_t> forward_order;                       // units in the order this forward ran them
+  std::optional<size_t> forward_next;                      // run_sequential: the unit after the one starting
+  std::deque<size_t> reductions_in_flight;                 // started in backward, oldest first
   std::optional<std::vector<Collective>> last_synced_step;  // the last synchronised one's: what a joiner replays
 
   Collectives& comm() { return world->comm(); }
@@ -78,7 +82,12 @@ class ShardedUnits {
 
  private:
   void gather(size_t u, OrderCheck::Op op);
+  void start_gather(size_t u, OrderCheck::Op op);
   void reduce(size_t u);
+  void start_reduce(size_t u);
+  void finish_reductions(size_t keep_in_flight);
+  size_t gathered_units() const;
+  void prefetch_backward();
   void start_backward();
   void post_backward(size_t u);
   void finalize_backward();

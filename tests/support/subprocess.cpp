@@ -268,6 +268,16 @@ std::vector<ProcessResult> run_ranks(int world_size, std::vector<std::string> ar
   return out;
 }
 
+ProcessResult run_mpi_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts) {
+  std::vector<std::string> cmd{"mpirun", "-np", std::to_string(world_size), "--allow-run-as-root", "--oversubscribe",
+                               "--bind-to", "none", "--tag-output"};
+  cmd.insert(cmd.end(), argv.begin(), argv.end());
+  opts.unset_env.insert(opts.unset_env.end(), {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                               "MASTER_PORT", "GRADSYNC_STORE_FILE"});
+  opts.env.insert(opts.env.begin(), {{"OMP_NUM_THREADS", "1"}, {"GRADSYNC_BACKEND", "mpi"}});
+  return run(cmd, opts);
+}
+
 bool process_alive(pid_t pid) {
   if (pid <= 0) return false;
   std::ifstream stat_file(fmt::format("/proc/{}/stat", pid));

@@ -77,6 +77,11 @@ ProcessResult run(std::vector<std::string> argv, CommandOptions opts = {});  // 
 // then SIGKILLed. Results are indexed by rank.
 std::vector<ProcessResult> run_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts);
 
+// Runs argv as world_size MPI ranks under one `mpirun` (root allowed, oversubscribed, unbound, output tagged
+// "[1,<rank>]<stdout>:"), with OMP_NUM_THREADS=1 and GRADSYNC_BACKEND=mpi and without the torchrun variables; one
+// result for the whole job (mpirun's exit status: non-zero when any rank failed).
+ProcessResult run_mpi_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts);
+
 bool process_alive(pid_t pid);  // true if /proc/<pid> exists and is not a zombie
 std::string make_temp_dir(const std::string& prefix);  // a fresh directory under $TMPDIR or /tmp
 int free_port();  // a TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read, close)

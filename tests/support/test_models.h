@@ -15,7 +15,7 @@
 
 namespace gradsync::test::sharding {
 
-inline std::shared_ptr<World> join() { return init({std::chrono::seconds(60), std::nullopt}); }
+inline std::shared_ptr<World> join() { return init({std::chrono::seconds(60), std::nullopt, std::nullopt}); }
 
 // "6-13-7-3" -> Linear(6,13) [BatchNorm1d(13)] ReLU Linear(13,7) ... Linear(7,3), seeded.
 inline torch::nn::Sequential make_mlp(const std::string& widths, bool batch_norm, uint64_t seed) {

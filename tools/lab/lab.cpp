@@ -21,6 +21,7 @@
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "lab/lab.h"
+#include "launch/backend_flag.h"
 #include "launch/launch.h"
 #include "launch/spawn.h"
 #include "data/models.h"
@@ -85,6 +86,7 @@ DdpResult run_ddp(const LabConfig& c, int n, const ScratchDir& scratch, UnevenRe
   fs::create_directories(rank_dir);
   LaunchOptions options;
   options.nproc = n;
+  options.backend = backend_of(c.backend);
   options.command = {self_executable(), "lab-rank", "--out", rank_dir, "--init", scratch.file("init.pt"),
                      "--batch", scratch.file("batch.pt"), "--model", c.model, "--global-batch",
                      std::to_string(global), "--accumulate", std::to_string(c.accumulate), "--timeout",
@@ -146,6 +148,7 @@ struct LabCli {
   bool quick = false;
   bool json = false;
   std::vector<int> world_sizes{1, 2, 4};
+  std::string backend;
   std::string data = "fashion-mnist";
   uint64_t seed = 0;
 };
@@ -158,6 +161,7 @@ int run_lab(const LabCli& cli) {
   c.out_dir = cli.out_dir;
   c.json = cli.json;
   c.world_sizes = cli.world_sizes;
+  c.backend = cli.backend;
   c.data = cli.data;
   c.seed = cli.seed;
   validate(c);
@@ -210,6 +214,7 @@ void add_lab_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--out", cli->out_dir, "directory for report.md, raw numbers and plots (default lab-report)");
   cmd->add_flag("--quick", cli->quick, "fewer training steps and a smaller DDP batch (about a minute)");
   cmd->add_option("--world-sizes", cli->world_sizes, "DDP world sizes to measure (default 1,2,4)")->delimiter(',');
+  add_backend_flag(cmd, cli->backend);
   cmd->add_flag("--json", cli->json, "print the results as one JSON document (progress stays on stderr)");
   cmd->add_option("--data", cli->data, "fashion-mnist (default) or synthetic:N (N >= 4096)");
   cmd->add_option("--seed", cli->seed, "seed of the model, the batch and the sampler (default 0)");

@@ -38,6 +38,7 @@ struct LabConfig {
   bool quick = false;
   bool json = false;
   std::vector<int> world_sizes{1, 2, 4};
+  std::string backend;                  // --backend gloo|mpi for the DDP ranks ("" = gloo)
   std::string data = "fashion-mnist";   // synthetic:N only when asked for
   std::string model = "mlp:784-128-10";
   uint64_t seed = 0;

@@ -213,43 +213,16 @@ plot "ddp_ranks.dat" using ($0-0.19):(v($2)):xtic(1) with boxes lc rgb "#dd6b20"
          claims_gnuplot(r);
 }
 
-// `gnuplot plots.gp` in `dir`, its output into dir/gnuplot.log; returns the wait status.
-int run_gnuplot(const std::string& gnuplot, const std::string& dir) {
-  const std::string log = dir + "/gnuplot.log";
-  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw Error(fmt::format("lab: cannot write {}: {}", log, std::strerror(errno)));
-  SpawnRequest request;
-  request.path = gnuplot;
-  request.argv = {"gnuplot", "plots.gp"};
-  request.env = env_entries(current_environment());
-  request.cwd = dir;
-  request.stdout_fd = request.stderr_fd = fd;
-  request.null_stdin = true;
-  Spawned child;
-  try {
-    child = spawn(request);
-  } catch (...) {
-    close(fd);
-    throw;
-  }
-  close(fd);
-  int status = 0;
-  while (waitpid(child.pid, &status, 0) < 0 && errno == EINTR) {
-  }
-  return status;
-}
-
 // Runs `gnuplot plots.gp` in the out dir, its output going to gnuplot.log there.
 void render_plots(OutDir& out, LabResults& r) {
   PlotStatus& p = r.plots;
-  const auto gnuplot = find_executable("gnuplot", current_environment());
-  if (!gnuplot) {
+  if (!find_executable("gnuplot", current_environment())) {
     p.message = fmt::format("gnuplot is not installed (Debian: gnuplot-nox, see scripts/install-deps.sh); the data "
                             "and plots.gp are in {}/, render them with `gnuplot plots.gp` there", out.dir());
     return;
   }
-  const int status = run_gnuplot(*gnuplot, out.dir());
   const std::string log = out.dir() + "/gnuplot.log";
+  const int status = run_logged({"gnuplot", "plots.gp"}, out.dir(), log, std::chrono::minutes(2)).value_or(-1);
   std::ifstream in(log);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {

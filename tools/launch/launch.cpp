@@ -23,6 +23,7 @@
 
 #include "gradsync/error.h"
 #include "launch/line_forwarder.h"
+#include "launch/mpirun.h"
 #include "launch/rank_environment.h"
 #include "launch/signal_pipe.h"
 #include "launch/spawn.h"
@@ -48,6 +49,7 @@ std::string signal_name(int sig) {
 
 struct Rank {
   int index = 0;
+  std::string name;  // "rank 3", or "mpirun" when mpirun starts the ranks
   pid_t pid = -1;  // also the pgid
   bool running = false;
   int status = 0;
@@ -81,24 +83,36 @@ class Launcher {
 
  private:
   void start_ranks(const EnvMap& common) {
+    if (options_.backend == Backend::Mpi) return start_mpirun(common);
     // Unresolved names are passed on as they are, so that execve reports the error (ENOENT) the usual way.
     const std::string path = find_executable(options_.command[0], common).value_or(options_.command[0]);
     ranks_.resize(static_cast<size_t>(options_.nproc));
     for (int r = 0; r < options_.nproc && !exit_code_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
       rank.index = r;
-      int err = start_rank(rank, path, rank_environment(common, options_, r));
-      if (err != 0) on_exec_failure(rank, err);
+      rank.name = fmt::format("rank {}", r);
+      int err = start_rank(rank, path, options_.command, rank_environment(common, options_, r));
+      if (err != 0) on_exec_failure(rank, err, options_.command[0]);
       handle_signals();  // a Ctrl-C during start-up stops the start-up too
     }
   }
 
+  // One mpirun starts every rank (and reports which one failed); it is supervised like a single rank.
+  void start_mpirun(const EnvMap& common) {
+    auto argv = mpirun_argv(options_);
+    const std::string path = find_executable(argv[0], common).value_or(argv[0]);
+    ranks_.resize(1);
+    ranks_[0].name = "mpirun";
+    int err = start_rank(ranks_[0], path, argv, mpirun_environment(options_));
+    if (err != 0) on_exec_failure(ranks_[0], err, "mpirun (install openmpi-bin)");
+  }
+
   // Fork/execs one rank. Returns 0 or the exec errno (the child then exits 127 and is reaped as usual).
-  int start_rank(Rank& rank, const std::string& path, std::vector<std::string> env) {
+  int start_rank(Rank& rank, const std::string& path, std::vector<std::string> argv, std::vector<std::string> env) {
     Pipe out, err;
     SpawnRequest request;
     request.path = path;
-    request.argv = options_.command;
+    request.argv = std::move(argv);
     request.env = std::move(env);
     request.stdout_fd = out.write_fd();
     request.stderr_fd = err.write_fd();
@@ -106,20 +120,22 @@ class Launcher {
     try {
       child = spawn(request);
     } catch (const std::system_error& e) {
-      throw std::system_error(e.code(), fmt::format("cannot start rank {}", rank.index));
+      throw std::system_error(e.code(), fmt::format("cannot start {}", rank.name));
     }
     rank.pid = child.pid;
     rank.running = true;
     out.close_write();
     err.close_write();
-    std::string tag = options_.prefix_output ? fmt::format("[rank{}]: ", rank.index) : "";
+    // mpirun tags its ranks' lines itself (--tag-output).
+    const bool tag_here = options_.prefix_output && options_.backend != Backend::Mpi;
+    std::string tag = tag_here ? fmt::format("[rank{}]: ", rank.index) : "";
     rank.out.emplace(out.release_read(), STDOUT_FILENO, tag);
     rank.err.emplace(err.release_read(), STDERR_FILENO, tag);
     return child.exec_error;
   }
 
-  void on_exec_failure(const Rank& rank, int err) {
-    report("rank {}: cannot execute '{}': {}{}", rank.index, options_.command[0], std::strerror(err),
+  void on_exec_failure(const Rank& rank, int err, const std::string& what) {
+    report("{}: cannot execute '{}': {}{}", rank.name, what, std::strerror(err),
            rank.index > 0 ? "; stopping the other ranks" : "");
     fail(127);
     stop(SIGTERM);
@@ -188,12 +204,12 @@ class Launcher {
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
     read_outputs(r);  // its last words first, then the verdict
     if (WIFEXITED(status)) {
-      report("rank {} (pid {}) exited with code {}; stopping the other ranks", r.index, r.pid,
+      report("{} (pid {}) exited with code {}; stopping the other ranks", r.name, r.pid,
              WEXITSTATUS(status));
       fail(WEXITSTATUS(status));
     } else {
       int sig = WTERMSIG(status);
-      report("rank {} (pid {}) was killed by signal {} ({}); stopping the other ranks", r.index, r.pid, sig,
+      report("{} (pid {}) was killed by signal {} ({}); stopping the other ranks", r.name, r.pid, sig,
              signal_name(sig));
       fail(128 + sig);
     }

@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "gradsync/collectives.h"
+
 namespace CLI {
 class App;
 }
@@ -22,6 +24,7 @@ struct LaunchOptions {
   std::chrono::milliseconds grace{5000};   // SIGTERM -> SIGKILL grace period
   bool prefix_output = true;               // "[rank<r>]: " before every output line
   std::vector<std::string> command;        // argv; argv[0] looked up in PATH
+  Backend backend = Backend::Gloo;         // Mpi: one mpirun starts the ranks (tools/launch/mpirun.h)
   std::vector<std::pair<std::string, std::string>> extra_env;  // set last: overrides everything else
 };
 

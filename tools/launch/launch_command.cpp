@@ -13,13 +13,14 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
+#include "launch/backend_flag.h"
 #include "launch/launch.h"
 
 namespace gradsync::cli {
 namespace {
 
 constexpr const char* kUsage = "usage: gradsync launch -n N [--master-addr A] [--master-port P] "
-                               "[--grace-period SECONDS] [--no-prefix] -- CMD [ARGS...]";
+                               "[--grace-period SECONDS] [--no-prefix] [--backend gloo|mpi] -- CMD [ARGS...]";
 
 struct CliArgs {
   std::string nproc = "1";
@@ -27,6 +28,7 @@ struct CliArgs {
   std::string master_port = "0";
   std::string grace = "5";
   bool no_prefix = false;
+  std::string backend;
   std::vector<std::string> command;
 };
 
@@ -64,6 +66,7 @@ LaunchOptions to_options(const CliArgs& a) {
   o.grace = parse_seconds(a.grace, "--grace-period");
   o.prefix_output = !a.no_prefix;
   o.command = a.command;
+  o.backend = backend_of(a.backend);
   validate(o);
   return o;
 }
@@ -82,6 +85,9 @@ void add_launch_command(CLI::App& root, int& exit_code) {
   sub->add_option("--master-port", args->master_port, "MASTER_PORT for the ranks, 0..65535 (default 0: a free port)");
   sub->add_option("--grace-period", args->grace, "seconds between SIGTERM and SIGKILL when stopping (default 5)");
   sub->add_flag("--no-prefix", args->no_prefix, "do not prefix output lines with [rank<r>]");
+  add_backend_flag(sub, args->backend)
+      ->description("gloo: start the ranks here, torchrun's way (default); mpi: run CMD under `mpirun -np N` "
+                    "(output tagged [1,<rank>]<stdout>: by mpirun)");
   sub->add_option("command", args->command, "the command to run (after --) and its arguments");
   sub->callback([args, &exit_code] {
     LaunchOptions options;

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #if __has_include(<linux/close_range.h>)
 #include <linux/close_range.h>
@@ -18,8 +19,10 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <system_error>
+#include <thread>
 #include <utility>
 
 #include <fmt/format.h>
@@ -233,6 +236,45 @@ std::string self_executable() {
   std::filesystem::path path = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (ec) throw Error(fmt::format("cannot read /proc/self/exe (this program's path, to re-run it): {}", ec.message()));
   return path.string();
+}
+
+std::optional<int> run_logged(const std::vector<std::string>& argv, const std::string& dir, const std::string& log,
+                              std::chrono::milliseconds timeout, const EnvMap& env) {
+  EnvMap child_env = current_environment();
+  for (const auto& [name, value] : env) child_env[name] = value;
+  const auto path = find_executable(argv.at(0), child_env);
+  if (!path) throw Error(fmt::format("'{}' is not installed (not found in PATH)", argv[0]));
+  const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw Error(fmt::format("cannot write {}: {}", log, std::strerror(errno)));
+  SpawnRequest request;
+  request.path = *path;
+  request.argv = argv;
+  request.env = env_entries(child_env);
+  request.cwd = dir;
+  request.stdout_fd = request.stderr_fd = fd;
+  request.null_stdin = true;
+  Spawned child;
+  try {
+    child = spawn(request);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  close(fd);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    int status = 0;
+    const pid_t done = waitpid(child.pid, &status, WNOHANG);
+    if (done == child.pid) return status;
+    if (done < 0 && errno != EINTR) return std::nullopt;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      kill(-child.pid, SIGKILL);
+      while (waitpid(child.pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      return std::nullopt;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 }  // namespace gradsync::cli

@@ -10,6 +10,7 @@
 #pragma once
 #include <sys/types.h>
 
+#include <chrono>
 #include <map>
 #include <optional>
 #include <string>
@@ -73,6 +74,13 @@ struct Spawned {
 // signals would survive exec), own process group, descriptors other than 0-2 marked close-on-exec.
 // Throws std::system_error when the pipe or fork fails.
 Spawned spawn(const SpawnRequest& request);
+
+// Runs argv (argv[0] looked up in PATH) in `dir` ("" = here) with this process's environment plus `env`, its
+// stdout and stderr into the file `log`, and waits at most `timeout` (then SIGKILLs its process group). Returns
+// the wait status, or nullopt when it timed out. Throws gradsync::Error if `log` cannot be written or argv[0]
+// is not found.
+std::optional<int> run_logged(const std::vector<std::string>& argv, const std::string& dir, const std::string& log,
+                              std::chrono::milliseconds timeout, const EnvMap& env = {});
 
 // A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read it back, close). Racy by nature:
 // someone may take it before the rank that needs it binds it, as with torchrun --standalone.

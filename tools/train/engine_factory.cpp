@@ -34,6 +34,7 @@ FsdpOptions fsdp_options(const TrainConfig& c) {
   }
   o.accumulation = c.accumulate_grads == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
                                                    : ShardedAccumulation::UnshardedGradients;
+  o.prefetch = !c.no_prefetch;
   return o;
 }
 

@@ -16,6 +16,7 @@
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
+#include "launch/backend_flag.h"
 #include "launch/launch.h"
 #include "launch/spawn.h"
 #include "train/engine_factory.h"
@@ -56,6 +57,7 @@ class StepLog {
     nlohmann::json line{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"samples", r.samples},
                         {"seconds", r.seconds}};
     if (r.memory_peak >= 0) line["memory_peak"] = r.memory_peak;
+    if (r.rss_peak >= 0) line["rss_peak"] = r.rss_peak;
     if (r.sent_bytes >= 0) line["sent_bytes"] = r.sent_bytes;
     file_ << line.dump() << "\n" << std::flush;
   }
@@ -200,13 +202,17 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   const auto step_fn = choose_step(c, rank);
   StepLog log(c.log, rank == 0);
   Progress progress(rank == 0 && !c.quiet && (isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS")), steps);
+  // Gloo's bytes are the socket writes this process made; MPI's shared memory makes none, so there the count is
+  // the engine's own (each collective's ring bytes, CommStats).
+  const bool counted = world && world->backend() == Backend::Mpi;
+  const auto bytes_sent = [&] { return counted ? run.engine->traffic().total() : process_bytes_written(); };
   std::vector<StepRecord> records;
   for (int64_t step = 0, epoch = 0; step < steps; ++epoch) {
     schedule.set_epoch(epoch);
     for (int64_t s = 0; s < schedule.steps_per_epoch() && step < steps; ++s, ++step) {
       const auto start = Clock::now();
       StepRecord record{step, epoch, 0, 0, 0};
-      const int64_t written_before = report ? process_bytes_written() : 0;
+      const int64_t written_before = report ? bytes_sent() : 0;
       try {
         step_fn(ctx, schedule, s, record);
       } catch (const c10::Error& e) {
@@ -219,8 +225,9 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
       if (verify) verify_replicas(ctx, step);
       record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
       if (report) {
-        record.sent_bytes = process_bytes_written() - written_before;
+        record.sent_bytes = bytes_sent() - written_before;
         record.memory_peak = run.engine->memory().peak_total();
+        record.rss_peak = process_peak_resident_bytes();
       }
       log.write(record);
       progress.update(record);
@@ -233,6 +240,15 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
 }
 
 namespace {
+
+// --backend, when given, overrides the launcher's (GRADSYNC_BACKEND, or mpi under mpirun).
+InitOptions init_options(const TrainConfig& c, std::optional<LaunchEnv> env) {
+  InitOptions options;
+  options.timeout = std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1000));
+  options.env = std::move(env);
+  if (!c.backend.empty()) options.backend = backend_of(c.backend);
+  return options;
+}
 
 void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records, int world_size) {
   if (c.quiet) return;
@@ -263,7 +279,7 @@ int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
                                     env.world_size));
     }
     validate(c, env.world_size);
-    auto world = init({std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1000)), env});
+    auto world = init(init_options(c, env));
     auto records = train_rank(c, world);
     if (world->is_main()) print_summary(c, records, world->size());
     return 0;
@@ -271,13 +287,14 @@ int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
   const int n = std::max(c.world_size, 1);
   validate(c, n);  // fail here, once, before any rank starts
   if (n == 1) {
-    auto world = init({std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1000)), std::nullopt});
+    auto world = init(init_options(c, std::nullopt));
     auto records = train_rank(c, world);
     print_summary(c, records, 1);
     return 0;
   }
   LaunchOptions launch_options;
   launch_options.nproc = n;
+  launch_options.backend = backend_of(c.backend);
   launch_options.prefix_output = false;  // only rank 0 prints; errors carry their rank in the message
   launch_options.command = {self_executable()};
   launch_options.command.insert(launch_options.command.end(), argv.begin(), argv.end());

@@ -22,6 +22,8 @@ struct TrainConfig {
   int64_t global_batch = 0;       // samples per optimizer step over all ranks and micro-steps
   int64_t accumulate = 1;         // micro-batches per optimizer step (K)
   int world_size = 0;             // 0: not given (1, or the launcher's WORLD_SIZE)
+  bool no_prefetch = false;       // fsdp-full: one unit gathered at a time (FsdpOptions::prefetch = false)
+  std::string backend;            // --backend gloo|mpi; "": the launcher's (GRADSYNC_BACKEND, mpi under mpirun)
   Strategy strategy = Strategy::Ddp;
   std::string optimizer = "sgd";  // sgd | adam
   std::optional<double> lr;       // default: 0.01 for sgd (torch.optim requires one), 1e-3 for adam
@@ -58,7 +60,8 @@ struct StepRecord {
   int64_t samples = 0;  // samples consumed in the step over all ranks (padding duplicates included)
   double seconds = 0;
   int64_t memory_peak = -1;  // bytes of parameters + gradients + optimizer state at this rank's peak so far
-  int64_t sent_bytes = -1;   // bytes this rank's process wrote during the step (Gloo's sockets); -1: not reported
+  int64_t sent_bytes = -1;   // bytes this rank sent in the step (see bytes_sent in train.cpp); -1: not reported
+  int64_t rss_peak = -1;     // this process's peak resident memory so far (VmHWM); -1: not reported
 };
 
 // Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.

@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "launch/backend_flag.h"
 #include "train/train.h"
 
 namespace gradsync::cli {
@@ -35,6 +36,7 @@ void add_train_command(CLI::App& root, int& exit_code) {
       ->required();
   cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)");
   cmd->add_option("--world-size", c.world_size, "ranks; without a launcher, train starts them itself");
+  add_backend_flag(cmd, c.backend);
   cmd->add_option("--strategy", c.strategy,
                   "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
                   "fsdp-no-shard or zero1 (see docs/sharding.md)")
@@ -73,6 +75,8 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--accumulate-grads", c.accumulate_grads,
                   "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
                   "(reduce-scatter every micro-step, gradient memory stays 1/N)");
+  cmd->add_flag("--no-prefetch", c.no_prefetch,
+                "fsdp-full: gather one unit at a time (lowest memory) instead of prefetching the next unit's all-gather");
   cmd->add_flag("--report-memory", c.report_memory,
                 "memory (parameters, gradients, optimizer state) and bytes sent per rank in the log and summary "
                 "(always on for sharded strategies)");

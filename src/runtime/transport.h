@@ -1,0 +1,48 @@
+// defines: Transport, the engine that moves bytes for Collectives (collectives.h), and its two implementations:
+// c10d's ProcessGroupGloo (TCP, torchrun-compatible) and Open MPI (shared memory within a host, any fabric MPI
+// knows across hosts). A transport only sums and copies; scaling, checks, sequence numbers and error messages
+// stay in Collectives so both backends declare the same semantics.
+#pragma once
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/torch.h>
+
+#include "gradsync/runtime.h"
+
+namespace gradsync {
+
+// One operation in flight. wait() returns once it completed, or throws std::runtime_error (transport failure or
+// the deadline passed); Collectives turns that into a DistributedError naming rank, operation and sequence number.
+class TransportWork {
+ public:
+  virtual ~TransportWork() = default;
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+};
+
+// Every operation starts at once and is finished by the returned work's wait(). Operations are issued in the
+// same order on every rank. Tensors are contiguous (checked by Collectives) and stay alive until the work is done.
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual Backend backend() const = 0;
+  virtual std::shared_ptr<TransportWork> allreduce_sum(torch::Tensor tensor) = 0;
+  virtual std::shared_ptr<TransportWork> broadcast(torch::Tensor tensor, int root) = 0;
+  // output[r*n : (r+1)*n] = input of rank r; output has size()*input.numel() elements.
+  virtual std::shared_ptr<TransportWork> allgather(torch::Tensor input, torch::Tensor output) = 0;
+  // output (n elements) on rank r = sum over ranks of input[r*n : (r+1)*n].
+  virtual std::shared_ptr<TransportWork> reduce_scatter_sum(torch::Tensor input, torch::Tensor output) = 0;
+  virtual std::shared_ptr<TransportWork> barrier() = 0;
+};
+
+// c10d ProcessGroupGloo over `store` (the rendezvous has already been checked by the caller).
+std::shared_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store, const LaunchEnv& env,
+                                               std::chrono::milliseconds timeout);
+
+// Open MPI on a duplicate of MPI_COMM_WORLD; initialises MPI once per process. Throws ConfigError when MPI's
+// rank or size disagree with `env` (a process not started by mpirun).
+std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env);
+
+}  // namespace gradsync

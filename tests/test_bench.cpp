@@ -1,0 +1,97 @@
+// `gradsync bench`: the JSON a user scripts against (both sides measured in one run, the ratio of their medians),
+// `bench allreduce` on both backends, and flags refused with their name before anything runs. Speeds are not
+// asserted here (this machine's times drift); docs/performance.md holds the measurements.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support/subprocess.h"
+
+namespace t = gradsync::test;
+
+namespace {
+
+t::CommandOptions within(int seconds) {
+  t::CommandOptions o;
+  o.timeout = std::chrono::seconds(seconds);
+  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+  return o;
+}
+
+nlohmann::json json_of(const t::ProcessResult& r) { return nlohmann::json::parse(r.out.substr(r.out.find('{'))); }
+
+void expect_side(const nlohmann::json& side, int64_t samples_per_step, const char* who) {
+  const auto& s = side.at("step_seconds");
+  const double lo = s.at("min"), med = s.at("median"), hi = s.at("max");
+  EXPECT_GT(lo, 0) << who;
+  EXPECT_LE(lo, med) << who;
+  EXPECT_LE(med, hi) << who;
+  EXPECT_NEAR(side.at("samples_per_second").get<double>(), samples_per_step / med, 1e-6 * samples_per_step / med);
+  EXPECT_GT(side.at("peak_memory_bytes_per_rank").get<int64_t>(), 1 << 20) << who;  // a whole process, > 1 MiB
+  EXPECT_EQ(side.at("run_medians").size(), 2u) << who;
+}
+
+}  // namespace
+
+TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
+  for (const char* backend : {"gloo", "mpi"}) {
+    auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:32-64-10", "--per-rank-batch", "8", "--world-size", "2",
+                     "--strategy", "ddp", "--backend", backend, "--steps", "4", "--warmup", "1", "--repeats", "2",
+                     "--compare-pytorch", "--json"},
+                    within(180));
+    ASSERT_TRUE(r.ok()) << r.describe();
+    auto j = json_of(r);
+    EXPECT_EQ(j["config"]["backend"], backend);
+    expect_side(j.at("gradsync"), 16, "gradsync");
+    expect_side(j.at("pytorch"), 16, "pytorch");
+    const double ratio = j.at("ratio");
+    EXPECT_DOUBLE_EQ(ratio, j["gradsync"]["step_seconds"]["median"].get<double>() /
+                                j["pytorch"]["step_seconds"]["median"].get<double>());
+    // Both DDPs allreduce every gradient once: (32*64+64+64*10+10) floats. Gloo's bytes are socket writes.
+    const double gradient_bytes = 4.0 * (32 * 64 + 64 + 64 * 10 + 10);
+    EXPECT_GE(j["gradsync"]["bytes_sent_per_step"].get<double>(), gradient_bytes * 0.99) << backend;
+    EXPECT_GE(j["pytorch"]["bytes_sent_per_step"].get<double>(), gradient_bytes * 0.99);
+  }
+}
+
+TEST(Bench, EveryStrategyRunsAndAPlotIsWritten) {
+  const std::string dir = t::make_temp_dir("gradsync-bench-test");
+  for (const char* strategy : {"local", "fsdp-full", "zero1"}) {
+    const std::string png = dir + "/" + strategy + ".png";
+    auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:16-32-4", "--per-rank-batch", "4", "--strategy",
+                     strategy, "--steps", "3", "--warmup", "1", "--repeats", "1", "--plot", png},
+                    within(120));
+    ASSERT_TRUE(r.ok()) << r.describe();
+    EXPECT_NE(r.out.find("gradsync bench: mlp:16-32-4"), std::string::npos) << r.out;
+    EXPECT_EQ(std::system(("test -s " + png).c_str()), 0) << png;
+  }
+}
+
+TEST(Bench, AllreduceReportsBusBandwidthNextToTheRawEngine) {
+  for (const char* backend : {"gloo", "mpi"}) {
+    auto r = t::run({GRADSYNC_BIN, "bench", "allreduce", "--bytes", "4K,256K", "--world-size", "2", "--backend",
+                     backend, "--iterations", "5", "--warmup", "1", "--json"},
+                    within(120));
+    ASSERT_TRUE(r.ok()) << r.describe();
+    auto j = json_of(r);
+    ASSERT_EQ(j["sizes"].size(), 2u);
+    EXPECT_EQ(j["sizes"][0]["bytes"], 4096);
+    EXPECT_EQ(j["sizes"][1]["bytes"], 262144);
+    for (const auto& row : j["sizes"]) {
+      const double algbw = row["algbw_gbps"], busbw = row["busbw_gbps"];
+      EXPECT_DOUBLE_EQ(busbw, algbw * 2.0 * (2 - 1) / 2);  // nccl-tests' busbw for allreduce
+      EXPECT_GT(row["raw_seconds"].get<double>(), 0);
+    }
+  }
+}
+
+TEST(Bench, BadFlagsAreNamedBeforeAnythingRuns) {
+  auto bytes = t::run({GRADSYNC_BIN, "bench", "allreduce", "--bytes", "3"}, within(30));
+  EXPECT_NE(bytes.exit_code, 0);
+  EXPECT_NE(bytes.err.find("--bytes: '3' is not a size from 4 bytes to 2G"), std::string::npos) << bytes.describe();
+  auto strategy = t::run({GRADSYNC_BIN, "bench", "--strategy", "fsdp"}, within(30));
+  EXPECT_NE(strategy.exit_code, 0);
+  EXPECT_NE(strategy.err.find("--strategy"), std::string::npos) << strategy.describe();
+  auto backend = t::run({GRADSYNC_BIN, "bench", "--backend", "nccl"}, within(30));
+  EXPECT_NE(backend.exit_code, 0);
+  EXPECT_NE(backend.err.find("--backend"), std::string::npos) << backend.describe();
+}

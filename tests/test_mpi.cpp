@@ -1,0 +1,145 @@
+// The mpi backend (src/runtime/mpi_transport.cpp): which backend a launcher's environment selects, the collectives
+// exact under mpirun, every engine's training loop equal to one process on the global batch (test_engine.cpp's
+// scenario), `gradsync launch --backend mpi`, and failures: a rank that exits stops the job at once, a rank that
+// stalls makes the others fail at their timeout naming rank, operation and backend. Parity with PyTorch on this
+// backend is in test_parity.cpp and test_sharded_parity.cpp.
+#include <gtest/gtest.h>
+
+#include "gradsync/error.h"
+#include "gradsync/runtime.h"
+#include "support/subprocess.h"
+#include "support/worker.h"
+
+namespace t = gradsync::test;
+using gradsync::Backend;
+using gradsync::read_launch_env;
+
+namespace {
+
+gradsync::EnvLookup env_of(std::map<std::string, std::string> vars) {
+  return [vars](const std::string& name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+const std::map<std::string, std::string> kOpenMpi{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
+
+t::CommandOptions within(int seconds) {
+  t::CommandOptions o;
+  o.timeout = std::chrono::seconds(seconds);
+  return o;
+}
+
+}  // namespace
+
+TEST(Backend, MpirunSelectsMpiWithoutAStoreAndTorchrunSelectsGloo) {
+  auto mpi = read_launch_env(env_of(kOpenMpi));
+  EXPECT_EQ(mpi.backend, Backend::Mpi);
+  EXPECT_TRUE(mpi.master_addr.empty());
+  auto torchrun = read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                          {"MASTER_PORT", "29500"}}));
+  EXPECT_EQ(torchrun.backend, Backend::Gloo);
+  auto chosen = read_launch_env(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GRADSYNC_BACKEND", "mpi"}}));
+  EXPECT_EQ(chosen.backend, Backend::Mpi);
+}
+
+TEST(Backend, GlooUnderMpirunStillNeedsAStoreAndBadNamesAreRefused) {
+  auto with_gloo = kOpenMpi;
+  with_gloo["GRADSYNC_BACKEND"] = "gloo";
+  try {
+    read_launch_env(env_of(with_gloo));
+    FAIL() << "gloo without MASTER_ADDR was accepted";
+  } catch (const gradsync::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("MASTER_ADDR is not set"), std::string::npos) << e.what();
+  }
+  auto bad = kOpenMpi;
+  bad["GRADSYNC_BACKEND"] = "nccl";
+  try {
+    read_launch_env(env_of(bad));
+    FAIL() << "GRADSYNC_BACKEND=nccl was accepted";
+  } catch (const gradsync::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("GRADSYNC_BACKEND='nccl' is not a backend; expected gloo or mpi"),
+              std::string::npos) << e.what();
+  }
+}
+
+class MpiCollectives : public testing::TestWithParam<int> {};
+
+// The worker of test_collectives.cpp: rank r contributes 2^r, so sum, mean and no reduction differ.
+TEST_P(MpiCollectives, SumMeanBroadcastGatherScatterAreExact) {
+  const int n = GetParam();
+  auto r = t::run_mpi_ranks(n, t::worker_argv("collectives"), within(60));
+  ASSERT_TRUE(r.ok()) << r.describe();
+  for (int rank = 0; rank < n; ++rank) {
+    EXPECT_NE(r.out.find(fmt::format("collectives ok on rank {} of {} (mpi)", rank, n)), std::string::npos) << r.out;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, MpiCollectives, testing::Values(1, 2, 3, 4));
+
+GRADSYNC_WORKER(mpi_stalled_peer) {
+  gradsync::InitOptions options;
+  options.timeout = std::chrono::seconds(2);
+  auto world = gradsync::init(options);
+  auto a = torch::ones({10});
+  world->comm().allreduce(a, gradsync::Reduction::Sum);
+  if (world->rank() == 1) std::this_thread::sleep_for(std::chrono::seconds(60));  // stalls, never arrives
+  world->comm().allreduce(a, gradsync::Reduction::Sum);
+  return 0;
+}
+
+TEST(MpiFaults, AStalledRankFailsTheOthersAtTheirTimeoutAndMpirunStopsTheJob) {
+  auto r = t::run_mpi_ranks(2, t::worker_argv("mpi_stalled_peer"), within(60));
+  EXPECT_FALSE(r.ok());
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_LT(r.seconds, 20.0) << r.describe();  // 2 s timeout, then mpirun ends the stalled rank too
+  EXPECT_NE(r.err.find("rank 0 of 2: allreduce #2 (sum), 10 x Float on mpi failed: MPI operation not finished "
+                       "after the 2000 ms timeout"), std::string::npos) << r.describe();
+}
+
+TEST(MpiFaults, ARankThatExitsStopsTheJobAtOnce) {
+  auto r = t::run_mpi_ranks(3, t::worker_argv("dies_mid_allreduce"), within(60));
+  EXPECT_FALSE(r.ok());
+  EXPECT_FALSE(r.timed_out) << r.describe();
+  EXPECT_LT(r.seconds, 15.0) << r.describe();  // not the survivors' 20 s timeout
+  EXPECT_NE((r.out + r.err).find("Exit code:    7"), std::string::npos) << r.describe();  // mpirun names it
+}
+
+class MpiEngineLoop : public testing::TestWithParam<const char*> {};
+
+// test_engine.cpp's loop (ranks from different parameters, K = 2, a rank joining without data) under mpirun.
+TEST_P(MpiEngineLoop, EndsWhereOneProcessOnTheGlobalBatchEnds) {
+  auto r = t::run_mpi_ranks(3, t::worker_argv("engine_loop", {GetParam()}), within(120));
+  ASSERT_TRUE(r.ok()) << r.describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, MpiEngineLoop,
+                         testing::Values("ddp", "ddp+early", "fsdp-full", "fsdp-grad-op", "fsdp-no-shard", "zero1"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (auto& ch : name) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           return name;
+                         });
+
+TEST(MpiLaunch, RunsTheCommandUnderMpirunWithOpenMpisVariablesOnly) {
+  auto o = within(60);
+  o.env = {{"RANK", "7"}, {"MASTER_ADDR", "10.9.9.9"}};  // an outer launcher's: must not reach the ranks
+  auto r = t::run({GRADSYNC_BIN, "launch", "--backend", "mpi", "-n", "3", "--", "sh", "-c",
+                   "echo \"r=$OMPI_COMM_WORLD_RANK n=$OMPI_COMM_WORLD_SIZE b=$GRADSYNC_BACKEND rank=${RANK:-none} "
+                   "addr=${MASTER_ADDR:-none}\""}, o);
+  ASSERT_TRUE(r.ok()) << r.describe();
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(r.out.find(fmt::format("[1,{}]<stdout>:r={} n=3 b=mpi rank=none addr=none", rank, rank)),
+              std::string::npos) << r.out;
+  }
+}
+
+TEST(MpiLaunch, AFailingRankStopsTheOthersAndTheLauncherReportsIt) {
+  auto r = t::run({GRADSYNC_BIN, "launch", "--backend", "mpi", "-n", "2", "--", "sh", "-c",
+                   "[ \"$OMPI_COMM_WORLD_RANK\" = 1 ] && exit 3; sleep 30"}, within(60));
+  EXPECT_NE(r.exit_code, 0) << r.describe();
+  EXPECT_LT(r.seconds, 15.0) << r.describe();
+  EXPECT_NE(r.err.find("gradsync launch: mpirun (pid"), std::string::npos) << r.describe();
+}

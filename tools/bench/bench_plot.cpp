@@ -1,0 +1,42 @@
+// --plot of `gradsync bench` (see bench.h): every measured step of both sides, in run order, as one PNG.
+#include <sys/wait.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "bench/bench.h"
+#include "launch/spawn.h"
+
+namespace gradsync::cli {
+
+std::string plot_step_times(const std::string& png, const StepStats& gradsync, const StepStats& pytorch,
+                            const BenchConfig& c) {
+  if (!find_executable("gnuplot", current_environment())) {
+    return "gnuplot is not installed (Debian: gnuplot-nox, see scripts/install-deps.sh)";
+  }
+  TempDir dir("gradsync-bench-plot-");
+  auto write_data = [&](const char* name, const StepStats& s) {
+    std::ofstream out(dir.file(name));
+    for (size_t i = 0; i < s.step_seconds.size(); ++i) out << i << ' ' << 1e3 * s.step_seconds[i] << '\n';
+  };
+  write_data("gradsync.dat", gradsync);
+  write_data("pytorch.dat", pytorch);
+  const std::string target = std::filesystem::absolute(png).string();
+  std::ofstream(dir.file("plot.gp")) << fmt::format(
+      "set terminal pngcairo size 900,500\nset output '{}'\nset title 'step time: {} x{} ranks, {} per rank, {} "
+      "thread(s), {} on {}'\nset xlabel 'measured step (runs in order)'\nset ylabel 'ms'\nset yrange [0:*]\n"
+      "set key top right\nplot 'gradsync.dat' with linespoints title 'gradsync'{}\n",
+      target, c.model, c.strategy == "local" ? 1 : c.world_size, c.per_rank_batch, c.threads, c.strategy, c.backend,
+      pytorch.step_seconds.empty() ? "" : ", 'pytorch.dat' with linespoints title 'PyTorch DDP (gloo)'");
+  const std::string log = dir.file("gnuplot.log");
+  auto status = run_logged({"gnuplot", "plot.gp"}, dir.path(), log, std::chrono::minutes(1));
+  if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
+    std::ifstream in(log);
+    return "gnuplot failed: " + std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  return std::filesystem::exists(target) ? "" : "gnuplot wrote no " + target;
+}
+
+}  // namespace gradsync::cli

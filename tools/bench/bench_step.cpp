@@ -1,0 +1,176 @@
+// `gradsync bench` (see bench.h): gradsync's step against PyTorch's on the same model, batch, threads and world
+// size. Each run is a fresh job: gradsync's is `gradsync train` with --log (its per-step seconds, bytes sent and
+// peak memory), PyTorch's is pytorch_ddp_program() under `gradsync launch` (torchrun's environment). Runs alternate
+// so that both sides see the same drift of this machine; the ratio is of the pooled medians.
+#include <algorithm>
+#include <fstream>
+
+#include <fmt/format.h>
+
+#include "bench/bench.h"
+#include "gradsync/error.h"
+#include "launch/launch.h"
+#include "launch/spawn.h"
+
+namespace gradsync::cli {
+namespace {
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void validate(const BenchConfig& c) {
+  auto positive = [](const char* flag, int64_t v, int64_t hi) {
+    if (v < 1 || v > hi) throw ConfigError(fmt::format("{} must be an integer from 1 to {}, got {}", flag, hi, v));
+  };
+  positive("--per-rank-batch", c.per_rank_batch, 1 << 20);
+  positive("--world-size", c.world_size, kMaxNproc);
+  positive("--threads", c.threads, 1024);
+  positive("--steps", c.steps, 1000000);
+  positive("--repeats", c.repeats, 1000);
+  if (c.warmup < 0 || c.warmup > 1000000) {
+    throw ConfigError(fmt::format("--warmup must be an integer from 0 to 1000000, got {}", c.warmup));
+  }
+  if (c.model.rfind("mlp:", 0) != 0 && c.model.rfind("mlp-bn:", 0) != 0) {
+    throw ConfigError(fmt::format("--model '{}': bench runs mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT", c.model));
+  }
+}
+
+int ranks_of(const BenchConfig& c) { return c.strategy == "local" ? 1 : c.world_size; }
+
+void require_success(std::optional<int> status, const std::string& what, const std::string& log) {
+  if (status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0) return;
+  std::ifstream in(log);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.size() > 4000) text = "..." + text.substr(text.size() - 4000);
+  throw Error(fmt::format("bench: the {} run {} (its output follows)\n{}", what,
+                          status ? fmt::format("failed (wait status {})", *status) : "timed out", text));
+}
+
+EnvMap thread_env(const BenchConfig& c) {
+  return {{"OMP_NUM_THREADS", std::to_string(c.threads)}};
+}
+
+// One `gradsync train` job; appends its measured steps to `stats`.
+void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
+  const int n = ranks_of(c);
+  const std::string log = dir.file(fmt::format("gradsync-{}.jsonl", run));
+  const int64_t samples = c.per_rank_batch * n * 4;  // a few batches: the schedule crosses epochs as needed
+  std::vector<std::string> argv{self_executable(), "train", "--model", c.model, "--data",
+                                fmt::format("synthetic:{}", samples), "--global-batch",
+                                std::to_string(c.per_rank_batch * n), "--strategy", c.strategy, "--steps",
+                                std::to_string(c.warmup + c.steps), "--log", log, "--report-memory", "--quiet",
+                                "--timeout", fmt::format("{}", c.timeout_seconds)};
+  if (c.strategy != "local") {
+    argv.insert(argv.end(), {"--world-size", std::to_string(n), "--backend", c.backend});
+  }
+  const std::string out = dir.file(fmt::format("gradsync-{}.out", run));
+  require_success(run_logged(argv, "", out, std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1e3)),
+                             thread_env(c)),
+                  "gradsync", out);
+  std::ifstream in(log);
+  std::vector<double> mine;
+  double sent = 0;
+  for (std::string line; std::getline(in, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.at("step").get<int64_t>() < c.warmup) continue;
+    mine.push_back(j.at("seconds").get<double>());
+    sent += j.value("sent_bytes", 0.0);
+    stats.peak_rss_bytes = std::max(stats.peak_rss_bytes, j.value("rss_peak", int64_t{-1}));
+  }
+  stats.bytes_sent_per_step = mine.empty() ? -1 : sent / static_cast<double>(mine.size());
+  stats.run_medians.push_back(median(mine));
+  stats.step_seconds.insert(stats.step_seconds.end(), mine.begin(), mine.end());
+}
+
+// One python3-torch job (DDP over Gloo, or one process for --strategy local).
+void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
+  const int n = ranks_of(c);
+  const std::string script = dir.file("pytorch_ddp.py");
+  if (run == 0) std::ofstream(script) << pytorch_ddp_program();
+  const std::string result = dir.file(fmt::format("pytorch-{}.json", run));
+  std::vector<std::string> argv{self_executable(), "launch", "-n", std::to_string(n), "--", "/usr/bin/python3", script,
+                                "--model", c.model, "--per-rank-batch", std::to_string(c.per_rank_batch), "--steps",
+                                std::to_string(c.steps), "--warmup", std::to_string(c.warmup), "--threads",
+                                std::to_string(c.threads), "--out", result};
+  if (c.strategy != "local") argv.push_back("--ddp");
+  const std::string out = dir.file(fmt::format("pytorch-{}.out", run));
+  require_success(run_logged(argv, "", out, std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1e3)),
+                             thread_env(c)),
+                  "PyTorch (python3-torch, Debian)", out);
+  std::ifstream in(result);
+  auto j = nlohmann::json::parse(in);
+  auto mine = j.at("step_seconds").get<std::vector<double>>();
+  auto sent = j.at("sent").get<std::vector<double>>();
+  double total = 0;
+  for (double s : sent) total += s;
+  stats.bytes_sent_per_step = sent.empty() ? -1 : total / static_cast<double>(sent.size());
+  stats.peak_rss_bytes = std::max(stats.peak_rss_bytes, j.at("rss_peak").get<int64_t>());
+  stats.run_medians.push_back(median(mine));
+  stats.step_seconds.insert(stats.step_seconds.end(), mine.begin(), mine.end());
+}
+
+void print_table(const BenchConfig& c, const StepStats& g, const StepStats& p) {
+  fmt::print("gradsync bench: {} x{} ranks, {} per rank, {} thread(s), strategy {}, backend {}; {} runs x {} steps "
+             "(+{} warm-up)\n", c.model, ranks_of(c), c.per_rank_batch, c.threads, c.strategy, c.backend, c.repeats,
+             c.steps, c.warmup);
+  fmt::print("  {:<10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>12}\n", "", "min ms", "median ms", "max ms",
+             "samples/s", "peak RSS MiB", "sent/step");
+  auto row = [&](const char* name, const StepStats& s) {
+    auto j = side_json(s, c);
+    fmt::print("  {:<10} {:>10.2f} {:>10.2f} {:>10.2f} {:>12.0f} {:>12.1f} {:>12.0f}\n", name,
+               1e3 * j["step_seconds"]["min"].get<double>(), 1e3 * j["step_seconds"]["median"].get<double>(),
+               1e3 * j["step_seconds"]["max"].get<double>(), j["samples_per_second"].get<double>(),
+               j["peak_memory_bytes_per_rank"].get<double>() / (1 << 20), j["bytes_sent_per_step"].get<double>());
+  };
+  row("gradsync", g);
+  if (p.step_seconds.empty()) return;
+  row("pytorch", p);
+  fmt::print("  ratio gradsync/pytorch (median step time): {:.3f}\n", median(g.step_seconds) / median(p.step_seconds));
+}
+
+}  // namespace
+
+nlohmann::json side_json(const StepStats& s, const BenchConfig& c) {
+  const double med = median(s.step_seconds);
+  const auto [lo, hi] = std::minmax_element(s.step_seconds.begin(), s.step_seconds.end());
+  return {{"step_seconds", {{"min", *lo}, {"median", med}, {"max", *hi}}},
+          {"run_medians", s.run_medians},
+          {"samples_per_second", med > 0 ? static_cast<double>(c.per_rank_batch * ranks_of(c)) / med : 0.0},
+          {"peak_memory_bytes_per_rank", s.peak_rss_bytes},
+          {"bytes_sent_per_step", s.bytes_sent_per_step}};
+}
+
+int run_step_bench(const BenchConfig& c) {
+  validate(c);
+  TempDir dir("gradsync-bench-");
+  StepStats mine, theirs;
+  for (int run = 0; run < c.repeats; ++run) {
+    fmt::print(stderr, "[bench] run {}/{}: gradsync{}\n", run + 1, c.repeats, c.compare_pytorch ? ", PyTorch" : "");
+    run_gradsync(c, dir, run, mine);
+    if (c.compare_pytorch) run_pytorch(c, dir, run, theirs);
+  }
+  std::string plot_note = c.plot.empty() ? "" : plot_step_times(c.plot, mine, theirs, c);
+  if (!plot_note.empty()) fmt::print(stderr, "[bench] plot: {}\n", plot_note);
+  if (!c.json) {
+    print_table(c, mine, theirs);
+    return 0;
+  }
+  nlohmann::json out{{"config", {{"model", c.model}, {"per_rank_batch", c.per_rank_batch},
+                                 {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"backend", c.backend},
+                                 {"threads", c.threads}, {"steps", c.steps}, {"warmup", c.warmup},
+                                 {"repeats", c.repeats}}},
+                     {"gradsync", side_json(mine, c)}};
+  if (c.compare_pytorch) {
+    out["pytorch"] = side_json(theirs, c);
+    out["pytorch"]["backend"] = "gloo";
+    out["ratio"] = median(mine.step_seconds) / median(theirs.step_seconds);
+  }
+  fmt::print("{}\n", out.dump(2));
+  return 0;
+}
+
+}  // namespace gradsync::cli

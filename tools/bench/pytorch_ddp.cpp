@@ -1,0 +1,88 @@
+// The python3-torch side of `gradsync bench --compare-pytorch` (see bench.h): PyTorch's DDP recipe on the same
+// model, per-rank batch, threads and world size, each step timed as `gradsync train` times its steps (forward,
+// backward, optimizer step, zero_grad, the loss read back). python3-torch is a reference, never a dependency:
+// only this flag runs it.
+#include "bench/bench.h"
+
+namespace gradsync::cli {
+
+namespace {
+
+// Data, not logic: the program's text, written to a temp file by bench_step.cpp.
+constexpr const char* kProgram = R"py(
+import argparse, json, os, time
+import torch, torch.nn as nn, torch.distributed as dist
+
+def wchar():
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return -1
+
+def peak_rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+def build(spec):
+    kind, sizes = spec.split(":")
+    sizes = [int(s) for s in sizes.split("-")]
+    layers = []
+    for i in range(len(sizes) - 1):
+        layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+        if i < len(sizes) - 2:
+            if kind == "mlp-bn":
+                layers.append(nn.BatchNorm1d(sizes[i + 1]))
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers), sizes
+
+def main():
+    p = argparse.ArgumentParser()
+    for name in ("--model", "--out"):
+        p.add_argument(name, required=True)
+    for name in ("--per-rank-batch", "--steps", "--warmup", "--threads"):
+        p.add_argument(name, type=int, required=True)
+    p.add_argument("--ddp", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model, sizes = build(a.model)
+    rank = 0
+    if a.ddp:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(a.per_rank_batch, sizes[0], generator=g)
+    y = torch.randint(0, sizes[-1], (a.per_rank_batch,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    times, sent = [], []
+    for step in range(a.warmup + a.steps):
+        w0, t0 = wchar(), time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        float(loss)
+        t = time.perf_counter() - t0
+        if step >= a.warmup:
+            times.append(t)
+            sent.append(wchar() - w0)
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump({"step_seconds": times, "sent": sent, "rss_peak": peak_rss()}, f)
+    if a.ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+
+main()
+)py";
+
+}  // namespace
+
+const char* pytorch_ddp_program() { return kProgram; }
+
+}  // namespace gradsync::cli
