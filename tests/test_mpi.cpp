@@ -7,22 +7,16 @@
 
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
+#include "support/env_of.h"
 #include "support/subprocess.h"
 #include "support/worker.h"
 
 namespace t = gradsync::test;
+using gradsync::test::env_of;
 using gradsync::Backend;
 using gradsync::read_launch_env;
 
 namespace {
-
-gradsync::EnvLookup env_of(std::map<std::string, std::string> vars) {
-  return [vars](const std::string& name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
 
 const std::map<std::string, std::string> kOpenMpi{{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}};
 

@@ -6,6 +6,7 @@
 
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
+#include "support/env_of.h"
 #include "support/subprocess.h"
 #include "support/worker.h"
 
@@ -13,16 +14,9 @@ using gradsync::ConfigError;
 using gradsync::LaunchEnv;
 using gradsync::read_launch_env;
 namespace t = gradsync::test;
+using gradsync::test::env_of;
 
 namespace {
-
-gradsync::EnvLookup env_of(std::map<std::string, std::string> vars) {
-  return [vars](const std::string& name) -> std::optional<std::string> {
-    auto it = vars.find(name);
-    if (it == vars.end()) return std::nullopt;
-    return it->second;
-  };
-}
 
 std::string error_of(std::map<std::string, std::string> vars) {
   try {
