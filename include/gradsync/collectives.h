@@ -57,7 +57,7 @@ class Collectives {
   void allgather_flat(const torch::Tensor& input, torch::Tensor& output);
   PendingWork allgather_flat_async(const torch::Tensor& input, torch::Tensor& output);  // done at wait()
   // output (n elements) on rank r = reduction over ranks of input[r*n : (r+1)*n]; input.numel() = size()*n.
-  // MPI: MPI_Reduce_scatter_block. Gloo 1.13 has none: alltoall_base then a local sum moves the same bytes.
+  // MPI: MPI_Reduce_scatter (equal counts). Gloo 1.13 has none: alltoall_base then a local sum moves the same bytes.
   void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction);
   // The same, finished (output written) by PendingWork::wait(); input must not change until then.
   PendingWork reduce_scatter_async(const torch::Tensor& input, torch::Tensor& output, Reduction reduction);

@@ -207,8 +207,12 @@ class MpiTransport : public Transport {
 
   std::shared_ptr<TransportWork> reduce_scatter_sum(torch::Tensor in, torch::Tensor out) override {
     auto wire = wire_type(in.scalar_type());
-    return submit([this, in, out, wire, n = count_of(out)] {
-      return MPI_Reduce_scatter_block(in.data_ptr(), out.data_ptr(), n, wire.type, wire.sum, comm_);
+    // MPI_Reduce_scatter with equal counts, not MPI_Reduce_scatter_block: Open MPI 4.1 runs the block variant as
+    // a reduce then a scatter (16.8 MB between 2 ranks: 12.2 ms, against 2.6 ms for MPI_Reduce_scatter).
+    int size = 0;
+    MPI_Comm_size(comm_, &size);
+    return submit([this, in, out, wire, counts = std::vector<int>(static_cast<size_t>(size), count_of(out))] {
+      return MPI_Reduce_scatter(in.data_ptr(), out.data_ptr(), counts.data(), wire.type, wire.sum, comm_);
     });
   }
 

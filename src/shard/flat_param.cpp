@@ -81,8 +81,20 @@ void FlatParam::gather(Collectives& comm, CommStats& stats) {
 
 void FlatParam::start_gather(Collectives& comm, CommStats& stats) {
   if (aliases_master_ || gathered_) return;
+  fill_full(comm, stats);
+}
+
+void FlatParam::refresh(Collectives& comm, CommStats& stats) {
+  if (aliases_master_) return;
+  wait_gathered();
+  fill_full(comm, stats);
+  wait_gathered();
+}
+
+// The full buffer's storage (allocated when freed) receives every rank's shard.
+void FlatParam::fill_full(Collectives& comm, CommStats& stats) {
   torch::NoGradGuard no_grad;
-  resize_storage(full_, full_bytes());
+  if (!gathered_) resize_storage(full_, full_bytes());
   if (!sharded_) {
     full_.copy_(shard_.detach());  // NO_SHARD with a compute dtype: a local cast, no communication
   } else {

@@ -64,6 +64,9 @@ class FlatParam {
   // there once wait_gathered() returns. No-op when gathered.
   void start_gather(Collectives& comm, CommStats& stats);
   void wait_gathered();                              // no-op when no all-gather is in flight
+  // All-gathers the shards into the full buffer again, in the storage it has (ZeRO-1 after a step: no free and
+  // re-allocation of the whole model every step); returns when done.
+  void refresh(Collectives& comm, CommStats& stats);
   void free();                                       // no-op when aliasing the master or already free
 
   bool has_grad_buffer() const { return grad_buffer_.defined(); }
@@ -93,6 +96,7 @@ class FlatParam {
 
  private:
   void bind_params_to_full();
+  void fill_full(Collectives& comm, CommStats& stats);
 
   std::string name_;
   std::vector<FlatEntry> entries_;

@@ -41,10 +41,7 @@ class Zero1Shard {
   std::vector<ShardSlot> slots() const { return shard_slots({flat.get()}); }
 
   // The full parameters again from every rank's slice (collective: every rank's slice is stepped alike).
-  void regather() {
-    flat->free();
-    flat->gather(comm(), traffic);
-  }
+  void regather() { flat->refresh(comm(), traffic); }
   void regather_if_pending() {
     if (pending_update) regather();
   }
