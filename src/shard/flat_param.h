@@ -82,7 +82,6 @@ class FlatParam {
   // when none is in flight.
   void start_reduce(Collectives& comm, Reduction reduction, CommStats& stats);
   void finish_reduce();
-  bool reduce_pending() const { return reduced_.defined(); }
   void release_grad_buffer();  // .grad of the parameters becomes undefined
 
   // The full padded master values, gathered from every rank (a collective when sharded).

@@ -92,18 +92,16 @@ void ShardedUnits::begin_forward() {
   sample_memory();
 }
 
-torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn) {
+torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn, std::optional<size_t> next) {
   if (!in_forward) {
     throw Error(fmt::format("{}: unit('{}') called outside forward_with()", kWho, flats[u]->name()));
   }
   gather(u, OrderCheck::Op::ForwardGather);
   forward_order.push_back(u);
-  if (forward_next && options.prefetch) {  // run_sequential knows the next unit: its gather overlaps this forward
-    const size_t next = *forward_next;
+  if (next && options.prefetch) {  // run_sequential knows the next unit: its gather overlaps this forward
     const bool keeps_all = options.strategy == ShardingStrategy::ShardGradOp;  // holds every unit anyway
-    if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(next, OrderCheck::Op::ForwardGather);
+    if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(*next, OrderCheck::Op::ForwardGather);
   }
-  forward_next.reset();
   auto output = fn();
   if (torch::GradMode::is_enabled() && output.requires_grad()) {
     progress[u].needs_backward = true;
@@ -139,16 +137,14 @@ torch::Tensor ShardedUnits::run_sequential(const torch::Tensor& input) {
       continue;
     }
     const auto& plan = plans[static_cast<size_t>(starts[i])];
-    for (size_t j = plan.last_child + 1; j < starts.size(); ++j) {
-      if (starts[j] >= 0) {
-        forward_next = static_cast<size_t>(starts[j]);
-        break;
-      }
+    std::optional<size_t> next;  // the unit this forward reaches after this one
+    for (size_t j = plan.last_child + 1; j < starts.size() && !next; ++j) {
+      if (starts[j] >= 0) next = static_cast<size_t>(starts[j]);
     }
     x = run_unit(static_cast<size_t>(starts[i]), [&] {
       for (size_t j = plan.first_child; j <= plan.last_child; ++j) x = children[static_cast<int64_t>(j)].forward(x);
       return x;
-    });
+    }, next);
     i = plan.last_child + 1;
   }
   return x;

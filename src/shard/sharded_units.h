@@ -56,7 +56,6 @@ class ShardedUnits {
   bool in_forward = false;
   std::vector<Collective> step_collectives;                // this forward/backward's, in order
   std::vector<size_t> forward_order;                       // units in the order this forward ran them
-  std::optional<size_t> forward_next;                      // run_sequential: the unit after the one starting
   std::deque<size_t> reductions_in_flight;                 // started in backward, oldest first
   std::optional<std::vector<Collective>> last_synced_step;  // the last synchronised one's: what a joiner replays
 
@@ -70,7 +69,9 @@ class ShardedUnits {
   void sample_memory() const;
   void begin_forward();
   void end_forward();
-  torch::Tensor run_unit(size_t u, const std::function<torch::Tensor()>& fn);
+  // Gathers unit u, runs fn, and arms its pre-backward hook; `next` (the unit the forward reaches after it, when
+  // known) has its all-gather started before fn runs (FsdpOptions::prefetch).
+  torch::Tensor run_unit(size_t u, const std::function<torch::Tensor()>& fn, std::optional<size_t> next = {});
   torch::Tensor run_sequential(const torch::Tensor& input);
   void pre_backward(size_t u);
   void grad_ready(size_t u);

@@ -20,6 +20,7 @@
 
 #include <fmt/format.h>
 
+#include "launch/mpirun.h"
 #include "launch/spawn.h"
 
 namespace gradsync::test {
@@ -269,9 +270,10 @@ std::vector<ProcessResult> run_ranks(int world_size, std::vector<std::string> ar
 }
 
 ProcessResult run_mpi_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts) {
-  std::vector<std::string> cmd{"mpirun", "-np", std::to_string(world_size), "--allow-run-as-root", "--oversubscribe",
-                               "--bind-to", "none", "--tag-output"};
-  cmd.insert(cmd.end(), argv.begin(), argv.end());
+  cli::LaunchOptions launch;  // the product's mpirun command line (tools/launch/mpirun.h), output tagged
+  launch.nproc = world_size;
+  launch.command = std::move(argv);
+  auto cmd = cli::mpirun_argv(launch);
   opts.unset_env.insert(opts.unset_env.end(), {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                                "MASTER_PORT", "GRADSYNC_STORE_FILE"});
   opts.env.insert(opts.env.begin(), {{"OMP_NUM_THREADS", "1"}, {"GRADSYNC_BACKEND", "mpi"}});

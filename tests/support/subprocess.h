@@ -77,8 +77,8 @@ ProcessResult run(std::vector<std::string> argv, CommandOptions opts = {});  // 
 // then SIGKILLed. Results are indexed by rank.
 std::vector<ProcessResult> run_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts);
 
-// Runs argv as world_size MPI ranks under one `mpirun` (root allowed, oversubscribed, unbound, output tagged
-// "[1,<rank>]<stdout>:"), with OMP_NUM_THREADS=1 and GRADSYNC_BACKEND=mpi and without the torchrun variables; one
+// Runs argv as world_size MPI ranks under one `mpirun` (the command line `gradsync launch --backend mpi` uses:
+// root allowed, oversubscribed past the cores, unbound, output tagged "[1,<rank>]<stdout>:"), with OMP_NUM_THREADS=1 and GRADSYNC_BACKEND=mpi and without the torchrun variables; one
 // result for the whole job (mpirun's exit status: non-zero when any rank failed).
 ProcessResult run_mpi_ranks(int world_size, std::vector<std::string> argv, CommandOptions opts);
 

@@ -29,12 +29,9 @@ void add_allreduce_command(CLI::App* bench, int& exit_code) {
                                                  "on the same bytes: time, algbw, busbw = algbw*2(N-1)/N");
   add_allreduce_flags(cmd, *c);
   cmd->add_option("--world-size", c->world_size, "ranks (default 2)")->check(CLI::Range(2, kMaxNproc));
-  add_backend_flag(cmd, c->backend)->default_str("gloo");
+  add_backend_flag(cmd, c->backend);
   cmd->add_flag("--json", c->json, "print one JSON document");
-  cmd->callback([c, &exit_code] {
-    if (c->backend.empty()) c->backend = "gloo";
-    exit_code = run_allreduce_bench(*c);
-  });
+  cmd->callback([c, &exit_code] { exit_code = run_allreduce_bench(*c); });
 }
 
 // The rank side of `bench allreduce`, started by it through launch(); not for users.
@@ -75,7 +72,6 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   add_allreduce_command(cmd, exit_code);
   cmd->callback([c, cmd, &exit_code] {
     if (!cmd->get_subcommands().empty()) return;  // `bench allreduce` ran
-    if (c->backend.empty()) c->backend = "gloo";
     exit_code = run_step_bench(*c);
   });
   add_rank_command(root, exit_code);

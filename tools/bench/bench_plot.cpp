@@ -32,10 +32,7 @@ std::string plot_step_times(const std::string& png, const StepStats& gradsync, c
       pytorch.step_seconds.empty() ? "" : ", 'pytorch.dat' with linespoints title 'PyTorch DDP (gloo)'");
   const std::string log = dir.file("gnuplot.log");
   auto status = run_logged({"gnuplot", "plot.gp"}, dir.path(), log, std::chrono::minutes(1));
-  if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    std::ifstream in(log);
-    return "gnuplot failed: " + std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  }
+  if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) return "gnuplot failed: " + read_text(log);
   return std::filesystem::exists(target) ? "" : "gnuplot wrote no " + target;
 }
 

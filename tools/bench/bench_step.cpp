@@ -9,7 +9,6 @@
 
 #include "bench/bench.h"
 #include "gradsync/error.h"
-#include "launch/launch.h"
 #include "launch/spawn.h"
 
 namespace gradsync::cli {
@@ -22,18 +21,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model family only here.
 void validate(const BenchConfig& c) {
-  auto positive = [](const char* flag, int64_t v, int64_t hi) {
-    if (v < 1 || v > hi) throw ConfigError(fmt::format("{} must be an integer from 1 to {}, got {}", flag, hi, v));
-  };
-  positive("--per-rank-batch", c.per_rank_batch, 1 << 20);
-  positive("--world-size", c.world_size, kMaxNproc);
-  positive("--threads", c.threads, 1024);
-  positive("--steps", c.steps, 1000000);
-  positive("--repeats", c.repeats, 1000);
-  if (c.warmup < 0 || c.warmup > 1000000) {
-    throw ConfigError(fmt::format("--warmup must be an integer from 0 to 1000000, got {}", c.warmup));
-  }
   if (c.model.rfind("mlp:", 0) != 0 && c.model.rfind("mlp-bn:", 0) != 0) {
     throw ConfigError(fmt::format("--model '{}': bench runs mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT", c.model));
   }
@@ -43,8 +32,7 @@ int ranks_of(const BenchConfig& c) { return c.strategy == "local" ? 1 : c.world_
 
 void require_success(std::optional<int> status, const std::string& what, const std::string& log) {
   if (status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0) return;
-  std::ifstream in(log);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string text = read_text(log);
   if (text.size() > 4000) text = "..." + text.substr(text.size() - 4000);
   throw Error(fmt::format("bench: the {} run {} (its output follows)\n{}", what,
                           status ? fmt::format("failed (wait status {})", *status) : "timed out", text));

@@ -223,8 +223,7 @@ void render_plots(OutDir& out, LabResults& r) {
   }
   const std::string log = out.dir() + "/gnuplot.log";
   const int status = run_logged({"gnuplot", "plots.gp"}, out.dir(), log, std::chrono::minutes(2)).value_or(-1);
-  std::ifstream in(log);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string text = read_text(log);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     p.message = fmt::format("gnuplot failed (status {}): {}", status, text.substr(0, 2000));
     return;

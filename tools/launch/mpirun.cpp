@@ -3,7 +3,7 @@
 
 #include <unistd.h>
 
-#include <algorithm>
+#include "launch/rank_environment.h"
 
 namespace gradsync::cli {
 
@@ -20,17 +20,8 @@ std::vector<std::string> mpirun_argv(const LaunchOptions& o) {
 
 std::vector<std::string> mpirun_environment(const LaunchOptions& o) {
   EnvMap env = current_environment();
-  for (auto it = env.begin(); it != env.end();) {
-    const std::string& name = it->first;
-    const bool torchrun = name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" ||
-                          name == "LOCAL_WORLD_SIZE" || name == "MASTER_ADDR" || name == "MASTER_PORT" ||
-                          name == "GROUP_RANK" || name == "ROLE_RANK" || name == "ROLE_WORLD_SIZE" ||
-                          name == "GRADSYNC_STORE_FILE" || name.rfind("TORCHELASTIC_", 0) == 0;
-    it = torchrun ? env.erase(it) : std::next(it);
-  }
-  if (!env.count("OMP_NUM_THREADS")) {
-    env["OMP_NUM_THREADS"] = std::to_string(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN) / o.nproc));
-  }
+  for (auto it = env.begin(); it != env.end();) it = is_torchrun_variable(it->first) ? env.erase(it) : std::next(it);
+  env["OMP_NUM_THREADS"] = omp_threads(env, o.nproc);
   env["GRADSYNC_BACKEND"] = "mpi";
   for (const auto& [name, value] : o.extra_env) env[name] = value;
   return env_entries(env);

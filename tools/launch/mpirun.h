@@ -12,9 +12,9 @@ namespace gradsync::cli {
 // mpirun -np N [--allow-run-as-root] [--oversubscribe] --bind-to none [--tag-output] CMD... (mpirun from PATH).
 std::vector<std::string> mpirun_argv(const LaunchOptions& options);
 
-// This process's environment without RANK/WORLD_SIZE/MASTER_*/GRADSYNC_STORE_FILE/TORCHELASTIC_* (an outer
-// launcher's, which would override Open MPI's variables), with GRADSYNC_BACKEND=mpi, OMP_NUM_THREADS as
-// `gradsync launch` shares the cores, then options.extra_env.
+// This process's environment without the torchrun variables (is_torchrun_variable(): an outer launcher's, which
+// would override Open MPI's), with GRADSYNC_BACKEND=mpi, OMP_NUM_THREADS as `gradsync launch` shares the cores
+// (omp_threads()), then options.extra_env.
 std::vector<std::string> mpirun_environment(const LaunchOptions& options);
 
 }  // namespace gradsync::cli

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -16,14 +17,21 @@ std::string random_run_id() {
   return fmt::format("{:08x}{:08x}", rd(), rd());
 }
 
-// torchrun's rule: share the cores between the ranks instead of oversubscribing them N times.
+}  // namespace
+
+// Shares the cores between the ranks instead of oversubscribing them N times.
 std::string omp_threads(const EnvMap& env, int nproc) {
   if (auto it = env.find("OMP_NUM_THREADS"); it != env.end()) return it->second;
   long cores = sysconf(_SC_NPROCESSORS_ONLN);
   return std::to_string(std::max(1L, cores / nproc));
 }
 
-}  // namespace
+bool is_torchrun_variable(const std::string& name) {
+  static const std::set<std::string> kNames{"RANK", "LOCAL_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                                            "ROLE_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+                                            "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_STORE_FILE"};
+  return kNames.count(name) > 0 || name.rfind("TORCHELASTIC_", 0) == 0;
+}
 
 EnvMap common_environment(const LaunchOptions& o, int port, const std::string& store_file) {
   EnvMap env = current_environment();

@@ -9,6 +9,13 @@
 
 namespace gradsync::cli {
 
+// The variables common_environment() and rank_environment() set that name a torchrun-style job (RANK, WORLD_SIZE,
+// MASTER_ADDR, ...; TORCHELASTIC_* by prefix): what a launcher handing its ranks to mpirun must not pass on.
+bool is_torchrun_variable(const std::string& name);
+
+// torchrun's rule: OMP_NUM_THREADS as given in `env`, else the cores shared between `nproc` ranks.
+std::string omp_threads(const EnvMap& env, int nproc);
+
 // What every rank shares: this process's environment with WORLD_SIZE, LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE,
 // GROUP_RANK, GROUP_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (= `port`), TORCHELASTIC_* (one random
 // run id), OMP_NUM_THREADS (kept if set, else the cores shared between the ranks) and

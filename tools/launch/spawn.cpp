@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <system_error>
 #include <thread>
 #include <utility>
@@ -236,6 +237,11 @@ std::string self_executable() {
   std::filesystem::path path = std::filesystem::read_symlink("/proc/self/exe", ec);
   if (ec) throw Error(fmt::format("cannot read /proc/self/exe (this program's path, to re-run it): {}", ec.message()));
   return path.string();
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 std::optional<int> run_logged(const std::vector<std::string>& argv, const std::string& dir, const std::string& log,

@@ -81,6 +81,8 @@ Spawned spawn(const SpawnRequest& request);
 // is not found.
 std::optional<int> run_logged(const std::vector<std::string>& argv, const std::string& dir, const std::string& log,
                               std::chrono::milliseconds timeout, const EnvMap& env = {});
+// The whole text of `path` ("" when it cannot be read): what a run_logged() child wrote to its log.
+std::string read_text(const std::string& path);
 
 // A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read it back, close). Racy by nature:
 // someone may take it before the rank that needs it binds it, as with torchrun --standalone.
