@@ -35,7 +35,7 @@ bool close(double value, double expected) { return std::abs(value - expected) <=
 double ddp_gradient(const std::shared_ptr<gradsync::World>& world, gradsync::Reduction reduction) {
   torch::nn::Linear model(torch::nn::LinearOptions(kWeights, 1).bias(false));
   gradsync::DdpOptions options;
-  options.reduction = reduction;
+  options.reduction(reduction);
   gradsync::DistributedDataParallel ddp(model, world, options);
   auto out = ddp.forward(torch::ones({1, kWeights}));       // = sum(w)
   auto loss = std::ldexp(1.0, world->rank()) * out.sum();   // d loss / d w_i = 2^rank

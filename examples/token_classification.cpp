@@ -126,7 +126,7 @@ int run() {
   // Reduction::GlobalMean: summed token losses, the reducer divides by the step's token count.
   auto global_model = make_model();
   gradsync::DdpOptions global_options;
-  global_options.reduction = gradsync::Reduction::GlobalMean;
+  global_options.reduction(gradsync::Reduction::GlobalMean);
   gradsync::DistributedDataParallel global_ddp(global_model, world, global_options);
   const auto step = gradsync::accumulate_global_mean(global_ddp, kMicroBatches, [&](int64_t k) {
     auto b = micro_batch(rank, k);

@@ -65,9 +65,9 @@ GRADSYNC_WORKER(ddp_equivalence) {
   const int k = arg_int(args, 0, 1);
   const std::string opt_kind = args.size() > 1 ? args[1] : "sgd";
   DdpOptions options;
-  options.gradient_as_bucket_view = arg_int(args, 2, 0) == 1;
-  options.first_bucket_bytes = 256;  // several buckets even for a tiny model
-  options.bucket_cap_bytes = 1024;
+  options.gradient_as_bucket_view(arg_int(args, 2, 0) == 1);
+  options.first_bucket_bytes(256);  // several buckets even for a tiny model
+  options.bucket_cap_mb(1024.0 / (1 << 20));
 
   auto local = make_mlp(0);
   auto replica = make_mlp(static_cast<uint64_t>(r) * 7919);  // differs per rank: DDP must broadcast rank 0's
@@ -136,7 +136,7 @@ GRADSYNC_WORKER(ddp_sum_vs_mean) {
   const Reduction reduction = gradsync::parse_reduction(args.at(0));
   auto model = nn::Linear(nn::LinearOptions(4, 1).bias(false));
   DdpOptions options;
-  options.reduction = reduction;
+  options.reduction(reduction);
   DistributedDataParallel ddp(model, world, options);
   auto x = torch::full({1, 4}, std::ldexp(1.0, world->rank()));
   ddp.forward(x).sum().backward();
@@ -177,7 +177,7 @@ TORCH_MODULE(TwoHeads);
 GRADSYNC_WORKER(ddp_unused) {
   auto world = join();
   DdpOptions options;
-  options.find_unused_parameters = args.at(0) == "1";
+  options.find_unused_parameters(args.at(0) == "1");
   const bool use_spare = args.at(1) == "odd" && world->rank() % 2 == 1;
   TwoHeads model;
   DistributedDataParallel ddp(model, world, options);
@@ -316,8 +316,8 @@ GRADSYNC_WORKER(ddp_overlap) {
     model->push_back(nn::ReLU());
   }
   DdpOptions options;
-  options.first_bucket_bytes = 256 * 256 * 4;
-  options.bucket_cap_bytes = 256 * 256 * 4;
+  options.first_bucket_bytes(256 * 256 * 4);
+  options.bucket_cap_mb(256.0 * 256 * 4 / (1 << 20));
   DistributedDataParallel ddp(model, world, options);
   auto x = torch::randn({64, 256});
   for (int it = 0; it < 3; ++it) ddp.forward(x).sum().backward();
@@ -348,7 +348,7 @@ GRADSYNC_WORKER(ddp_bucket_view_zero_grad) {
   auto world = join();
   auto model = make_mlp(0);
   DdpOptions options;
-  options.gradient_as_bucket_view = true;
+  options.gradient_as_bucket_view(true);
   DistributedDataParallel ddp(model, world, options);
   auto x = torch::randn({4, 6});
   ddp.forward(x).sum().backward();

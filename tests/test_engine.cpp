@@ -115,7 +115,7 @@ gradsync::StateDict reference(int n, const std::vector<std::vector<Step>>& by_ra
 
 gradsync::FsdpOptions fsdp(gradsync::ShardingStrategy strategy) {
   gradsync::FsdpOptions o;
-  o.strategy = strategy;
+  o.strategy(strategy);
   return o;
 }
 

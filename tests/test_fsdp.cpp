@@ -90,10 +90,10 @@ GRADSYNC_WORKER(fsdp_equivalence) {
     auto fsdp_model = sh::make_mlp(c.widths, c.batch_norm, r == 0 ? 0 : 200 + r);
     gradsync::DistributedDataParallel ddp(ddp_model, world);
     FsdpOptions o;
-    o.strategy = strategy_of(c.strategy);
-    o.wrap = gradsync::parse_wrap_policy(c.wrap);
-    o.accumulation = c.accumulation == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
-                                                 : ShardedAccumulation::UnshardedGradients;
+    o.strategy(strategy_of(c.strategy));
+    o.wrap(gradsync::parse_wrap_policy(c.wrap));
+    o.accumulation(c.accumulation == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
+                                                 : ShardedAccumulation::UnshardedGradients);
     FullyShardedDataParallel fsdp(fsdp_model, world, o);
     WORKER_CHECK(sh::max_relative_difference(fsdp.state_dict(), gradsync::state_dict(*local)) == 0,
                  "{}: initial parameters are not rank 0's", text);
@@ -197,8 +197,8 @@ GRADSYNC_WORKER(fsdp_sum_vs_mean) {
     for (auto reduction : {gradsync::Reduction::Mean, gradsync::Reduction::Sum}) {
       auto model = nn::Linear(nn::LinearOptions(5, 1).bias(false));
       FsdpOptions o;
-      o.strategy = strategy_of(strategy);
-      o.reduction = reduction;
+      o.strategy(strategy_of(strategy));
+      o.reduction(reduction);
       FullyShardedDataParallel fsdp(model, world, o);  // no children: everything is the root unit
       WORKER_CHECK(fsdp.units().size() == 1 && fsdp.units()[0].name == "(root)", "expected one root unit");
       auto x = torch::full({1, 5}, std::ldexp(1.0, world->rank()));
@@ -209,7 +209,7 @@ GRADSYNC_WORKER(fsdp_sum_vs_mean) {
       const auto grad = fsdp.parameters()[0].grad();
       WORKER_CHECK(grad.defined() && grad.numel() == unit.shard_numel, "{}: shard gradient has {} elements", strategy,
                    grad.defined() ? grad.numel() : -1);
-      const int64_t offset = o.strategy == ShardingStrategy::NoShard ? 0 : world->rank() * unit.shard_numel;
+      const int64_t offset = o.strategy() == ShardingStrategy::NoShard ? 0 : world->rank() * unit.shard_numel;
       for (int64_t i = 0; i < grad.numel(); ++i) {
         const double want = offset + i < unit.numel ? expected : 0.0;  // padding
         WORKER_CHECK(std::abs(grad[i].item<double>() - want) < 1e-6, "{} {}: element {} is {}, expected {}",
@@ -257,8 +257,8 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
   for (auto strategy : {ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto other = sh::make_mlp(widths, true, 77);
     FsdpOptions o2;
-    o2.strategy = strategy;
-    o2.wrap = gradsync::WrapPolicy::at_least(100);
+    o2.strategy(strategy);
+    o2.wrap(gradsync::WrapPolicy::at_least(100));
     FullyShardedDataParallel loaded(other, world, o2);
     loaded.load_state_dict(saved);
     auto back = loaded.state_dict();
@@ -354,7 +354,7 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
                "optimizer state made no difference");
   // A checkpoint loads only with the world size it was written with: a clear error on every rank.
   FsdpOptions no_shard;
-  no_shard.strategy = ShardingStrategy::NoShard;
+  no_shard.strategy(ShardingStrategy::NoShard);
   auto model4 = sh::make_mlp(widths, false, 5);
   FullyShardedDataParallel other_layout(model4, world, no_shard);
   try {
@@ -393,7 +393,7 @@ GRADSYNC_WORKER(fsdp_clip) {
       auto local = sh::make_mlp("6-13-7-3", false, 0);
       auto model = sh::make_mlp("6-13-7-3", false, 0);
       FsdpOptions o;
-      o.strategy = strategy_of(strategy);
+      o.strategy(strategy_of(strategy));
       FullyShardedDataParallel fsdp(model, world, o);
       auto local_opt = sh::make_optimizer("plain", local->parameters());
       auto opt = sh::make_optimizer("plain", fsdp.parameters());
@@ -453,7 +453,7 @@ GRADSYNC_WORKER(fsdp_memory) {
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto model = sh::make_mlp(widths, false, 0);
     FsdpOptions o;
-    o.strategy = strategy;
+    o.strategy(strategy);
     FullyShardedDataParallel fsdp(model, world, o);
     auto opt = sh::make_optimizer("adam", fsdp.parameters());
     fsdp.track_optimizer(opt.get());
@@ -523,7 +523,7 @@ GRADSYNC_WORKER(fsdp_traffic) {
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto model = sh::make_mlp(widths, false, 0);
     FsdpOptions o;
-    o.strategy = strategy;
+    o.strategy(strategy);
     FullyShardedDataParallel fsdp(model, world, o);
     const double psi = measure([&](auto& x, auto& y) {
       fsdp.zero_grad();
@@ -560,7 +560,7 @@ GRADSYNC_WORKER(fsdp_mixed_precision) {
       fsdp.zero_grad();
       auto out = fsdp.forward(x.narrow(0, 8 * r, 8));
       if (check_dtypes) {
-        WORKER_CHECK(out.scalar_type() == *o.mixed_precision.param_dtype, "output is {}",
+        WORKER_CHECK(out.scalar_type() == *o.mixed_precision().param_dtype, "output is {}",
                      c10::toString(out.scalar_type()));
         for (const auto& shard : fsdp.parameters()) {
           WORKER_CHECK(shard.scalar_type() == torch::kFloat, "master shard is {}", c10::toString(shard.scalar_type()));
@@ -578,9 +578,9 @@ GRADSYNC_WORKER(fsdp_mixed_precision) {
   for (const char* reduce : {"fp32", "bf16", "fp16"}) {
     for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::NoShard}) {
       FsdpOptions o;
-      o.strategy = strategy;
-      o.mixed_precision.param_dtype = torch::kBFloat16;
-      o.mixed_precision.reduce_dtype = gradsync::parse_dtype(reduce);
+      o.strategy(strategy);
+      o.mixed_precision().param_dtype = torch::kBFloat16;
+      o.mixed_precision().reduce_dtype = gradsync::parse_dtype(reduce);
       auto state = train(o, true);
       for (const auto& [k, v] : state) WORKER_CHECK(v.scalar_type() == torch::kFloat, "{} saved as non-fp32", k);
       const double d = sh::max_relative_difference(state, reference);

@@ -51,7 +51,7 @@ GRADSYNC_WORKER(global_mean_uneven) {
   const auto reduction = gradsync::parse_reduction(args.at(0));
   auto model = make_model();
   DdpOptions options;
-  options.reduction = reduction;
+  options.reduction(reduction);
   DistributedDataParallel ddp(model, world, options);
   const auto sizes = micro_sizes(world->size());
   const auto& mine = sizes[static_cast<size_t>(world->rank())];

@@ -111,7 +111,10 @@ INSTANTIATE_TEST_SUITE_P(
         ParityCase{"N2_K2_adam_mse", "mlp:10-12-8-3", "mse", 100, 2, 2, 16, {"--optimizer", "adam", "--steps", "10"}},
         ParityCase{"N4_K1_adam", "mlp:10-16-4", "ce", 100, 4, 1, 16, {"--optimizer", "adam", "--epochs", "2"}},
         ParityCase{"N4_K2_sgd_batchnorm", "mlp-bn:10-16-4", "ce", 96, 4, 2, 24,
-                   {"--momentum", "0.5", "--steps", "6", "--no-shuffle"}}),
+                   {"--momentum", "0.5", "--steps", "6", "--no-shuffle"}},
+        // PyTorch's fp16_compress_hook: half-precision buckets, divided and summed in float16.
+        ParityCase{"N2_K2_fp16_comm_hook", "mlp:10-16-4", "ce", 96, 2, 2, 16,
+                   {"--comm-hook", "fp16", "--momentum", "0.9", "--epochs", "2"}}),
     [](const testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
 // The test can fail: gradsync with Reduction::Sum must NOT match PyTorch DDP (which averages).

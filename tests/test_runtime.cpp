@@ -7,6 +7,7 @@
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
 #include "support/env_of.h"
+#include "support/error_of.h"
 #include "support/subprocess.h"
 #include "support/worker.h"
 
@@ -66,6 +67,39 @@ TEST(LaunchEnv, ReadsOpenMpiVariables) {
   EXPECT_EQ(e.source, "openmpi");
 }
 
+TEST(LaunchEnv, ReadsMpichPmiAndSlurmVariables) {
+  auto pmi = read_launch_env(env_of({{"PMI_RANK", "3"}, {"PMI_SIZE", "4"}, {"MPI_LOCALRANKID", "1"},
+                                     {"MPI_LOCALNRANKS", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}}));
+  EXPECT_EQ(pmi.source, "pmi");
+  EXPECT_EQ(pmi.rank, 3);
+  EXPECT_EQ(pmi.world_size, 4);
+  EXPECT_EQ(pmi.local_rank, 1);
+  EXPECT_EQ(pmi.local_world_size, 2);
+  EXPECT_EQ(pmi.backend, gradsync::Backend::Gloo);
+  const std::map<std::string, std::string> slurm{{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"},
+                                                 {"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "4"},
+                                                 {"SLURM_STEP_ID", "0"}, {"MASTER_ADDR", "node1"},
+                                                 {"MASTER_PORT", "29500"}};
+  auto s = read_launch_env(env_of(slurm));
+  EXPECT_EQ(s.source, "slurm");
+  EXPECT_EQ(s.rank, 5);
+  EXPECT_EQ(s.world_size, 8);
+  EXPECT_EQ(s.local_rank, 1);
+  EXPECT_EQ(s.local_world_size, 4);
+  EXPECT_EQ(s.master_addr, "node1");
+  // A batch script's own SLURM_PROCID is no rank: without a job step it is a single process.
+  auto batch = slurm;
+  batch.erase("SLURM_STEP_ID");
+  EXPECT_EQ(read_launch_env(env_of(batch)).source, "none");
+  // torchrun inside an allocation: its variables win.
+  auto inner = slurm;
+  inner.insert({{"RANK", "1"}, {"WORLD_SIZE", "2"}});
+  EXPECT_EQ(read_launch_env(env_of(inner)).source, "torchrun");
+  const std::string msg = gradsync::test::error_of<gradsync::ConfigError>(
+      [&] { read_launch_env(env_of({{"PMI_RANK", "4"}, {"PMI_SIZE", "4"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}})); });
+  EXPECT_NE(msg.find("PMI_RANK=4"), std::string::npos) << msg;
+}
+
 TEST(LaunchEnv, StoreFileReplacesMasterAddress) {
   auto e = read_launch_env(env_of(with(without(without(kValid, "MASTER_ADDR"), "MASTER_PORT"),
                                        "GRADSYNC_STORE_FILE", "/tmp/x/store")));
@@ -120,6 +154,44 @@ GRADSYNC_WORKER(init_and_allreduce) {
     fmt::print(stderr, "failed after {:.3f} s\n", seconds);
     throw;
   }
+}
+
+// Two `gradsync launch` processes, --nnodes 2, two ranks each, on loopback: one world of 4 (sum of 2^r = 15).
+TEST(MultiNodeLaunch, TwoLaunchersOfTwoRanksFormOneWorldOfFour) {
+  const int port = t::free_port();
+  std::vector<t::Process> launchers;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> argv{GRADSYNC_BIN, "launch", "--nnodes", "2", "--node_rank", std::to_string(node),
+                                  "--nproc_per_node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                                  std::to_string(port), "--"};
+    const auto worker = t::worker_argv("init_and_allreduce", {"30000"});
+    argv.insert(argv.end(), worker.begin(), worker.end());
+    t::CommandOptions opts;
+    opts.timeout = std::chrono::seconds(60);
+    opts.env = {{"OMP_NUM_THREADS", "1"}};
+    launchers.push_back(t::Process::start(argv, opts));
+  }
+  std::string out;
+  for (int node = 0; node < 2; ++node) {
+    const auto r = launchers[static_cast<size_t>(node)].wait();
+    ASSERT_TRUE(r.ok()) << "launcher " << node << ": " << r.describe();
+    out += r.out;
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_NE(out.find(fmt::format("[rank{}]: rank {} of 4 sum 15", rank, rank)), std::string::npos) << out;
+  }
+}
+
+TEST(MultiNodeLaunch, BadNodeFlagsAreRefusedNamingThem) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(30);
+  const auto no_port = t::run({GRADSYNC_BIN, "launch", "--nnodes", "2", "-n", "1", "--", "true"}, opts);
+  EXPECT_EQ(no_port.exit_code, 2);
+  EXPECT_NE(no_port.err.find("--nnodes 2 needs --master-port"), std::string::npos) << no_port.err;
+  const auto bad_rank = t::run({GRADSYNC_BIN, "launch", "--nnodes", "2", "--node-rank", "2", "--master-port", "1234",
+                                "--", "true"}, opts);
+  EXPECT_EQ(bad_rank.exit_code, 2);
+  EXPECT_NE(bad_rank.err.find("--node-rank must be an integer from 0 to 1"), std::string::npos) << bad_rank.err;
 }
 
 namespace {

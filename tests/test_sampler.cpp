@@ -13,6 +13,7 @@
 #include <map>
 #include <numeric>
 #include <set>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -325,4 +326,125 @@ TEST(Sampler, InvalidArgumentsThrowConfigErrorNamingTheValue) {
   // The boundary values are accepted.
   EXPECT_NO_THROW(DistributedSampler(1, 1, 0));
   EXPECT_NO_THROW(DistributedSampler(10, 4, 3));
+}
+
+// ---- torch::data: the sampler in libtorch's DataLoader -----------------------------------------------------
+
+namespace {
+
+// Sample i is the tensor {i}: a batch of the loader shows which indices the sampler gave.
+struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
+  int64_t n;
+  explicit IndexDataset(int64_t size) : n(size) {}
+  torch::data::Example<> get(size_t i) override {
+    auto t = torch::tensor({static_cast<int64_t>(i)});
+    return {t, t};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(n); }
+};
+
+using Batches = std::vector<Indices>;  // one epoch's batches
+
+// The loader's batches over `epochs` epochs, set_epoch(e) called on the caller's sampler (the loader owns a copy).
+std::vector<Batches> loader_epochs(int64_t n, int64_t replicas, int64_t rank, uint64_t seed, bool shuffle,
+                                   bool drop_last, int64_t batch, int64_t epochs, size_t workers) {
+  DistributedSampler sampler(n, replicas, rank, shuffle, seed, drop_last);
+  auto loader = torch::data::make_data_loader(IndexDataset(n).map(torch::data::transforms::Stack<>()), sampler,
+                                              torch::data::DataLoaderOptions(static_cast<size_t>(batch))
+                                                  .workers(workers));
+  std::vector<Batches> out;
+  for (int64_t e = 0; e < epochs; ++e) {
+    sampler.set_epoch(e);
+    Batches epoch;
+    for (auto& b : *loader) {
+      auto flat = b.data.flatten().contiguous();
+      epoch.emplace_back(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
+    }
+    out.push_back(epoch);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST(Sampler, DataLoaderYieldsPythonsBatchesOverThreeEpochs) {
+  struct LoaderCase {
+    int64_t n, replicas, batch;
+    uint64_t seed;
+    bool shuffle, drop_last;
+  };
+  const std::vector<LoaderCase> cases{{100, 2, 8, 0, true, false}, {37, 3, 5, 11, true, false},
+                                      {37, 3, 4, 5, true, true},   {10, 4, 3, 2, false, false},
+                                      {1000, 4, 64, 123, true, false}};
+  nlohmann::json request = nlohmann::json::array();
+  for (const auto& c : cases) {
+    request.push_back({{"n", c.n}, {"replicas", c.replicas}, {"seed", c.seed}, {"shuffle", c.shuffle},
+                       {"drop_last", c.drop_last}, {"batch_size", c.batch}, {"epochs", 3}});
+  }
+  gradsync::test::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(180);
+  opts.env = {{"OMP_NUM_THREADS", "1"}};
+  const auto r = gradsync::test::run({kPython, kSamplerReference, "--cases", request.dump()}, opts);
+  ASSERT_TRUE(r.ok()) << r.describe();
+  const auto results = nlohmann::json::parse(r.out).at("cases");
+  ASSERT_EQ(results.size(), cases.size());
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const auto& c = cases[i];
+    const auto python = results[i].at("rank_epochs").get<std::vector<std::vector<Batches>>>();
+    for (int64_t rank = 0; rank < c.replicas; ++rank) {
+      for (size_t workers : {size_t{0}, size_t{2}}) {  // with workers the loader copies the sampler again
+        EXPECT_EQ(loader_epochs(c.n, c.replicas, rank, c.seed, c.shuffle, c.drop_last, c.batch, 3, workers),
+                  python[static_cast<size_t>(rank)])
+            << "n=" << c.n << " replicas=" << c.replicas << " rank=" << rank << " batch=" << c.batch
+            << " workers=" << workers;
+      }
+    }
+  }
+}
+
+TEST(Sampler, SavedPositionResumesMidEpochInANewLoader) {
+  // 3 batches of epoch 1, saved; a new sampler and loader resume with the 4th; set_epoch of the saved epoch
+  // keeps the position, the next epoch starts at its beginning.
+  const auto full = loader_epochs(50, 2, 1, 9, true, false, 4, 3, 0);
+  std::stringstream saved;
+  {
+    DistributedSampler sampler(50, 2, 1, true, 9);
+    auto loader = torch::data::make_data_loader(IndexDataset(50).map(torch::data::transforms::Stack<>()), sampler,
+                                                torch::data::DataLoaderOptions(4));
+    sampler.set_epoch(1);
+    int taken = 0;
+    for (auto& batch : *loader) {
+      (void)batch;
+      if (++taken == 3) break;
+    }
+    EXPECT_EQ(sampler.position(), 12) << "the loader's copy and this sampler share their position";
+    torch::serialize::OutputArchive archive;
+    sampler.save(archive);
+    archive.save_to(saved);
+  }
+  DistributedSampler resumed(50, 2, 1, true, 9);
+  torch::serialize::InputArchive archive;
+  archive.load_from(saved);
+  resumed.load(archive);
+  auto loader = torch::data::make_data_loader(IndexDataset(50).map(torch::data::transforms::Stack<>()), resumed,
+                                              torch::data::DataLoaderOptions(4));
+  std::vector<Batches> got;
+  for (int64_t e = 1; e < 3; ++e) {
+    resumed.set_epoch(e);
+    Batches epoch;
+    for (auto& b : *loader) {
+      auto flat = b.data.flatten().contiguous();
+      epoch.emplace_back(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
+    }
+    got.push_back(epoch);
+  }
+  EXPECT_EQ(got[0], Batches(full[1].begin() + 3, full[1].end()));
+  EXPECT_EQ(got[1], full[2]);
+  // A position saved for another configuration is refused, naming the field.
+  DistributedSampler other(50, 3, 1, true, 9);
+  torch::serialize::InputArchive again;
+  std::stringstream copy(saved.str());
+  again.load_from(copy);
+  const std::string msg = gradsync::test::error_of<ConfigError>([&] { other.load(again); });
+  EXPECT_NE(msg.find("num_replicas=2"), std::string::npos) << msg;
 }

@@ -347,13 +347,13 @@ print(json.dumps(list(m.state_dict().keys())))
 
 // ---- files: gradsync -> Python -------------------------------------------------------------------------
 
-TEST(StateDict, SavedFileIsAPlainDictOfIdenticalTensorsInPython) {
+TEST(StateDict, SavedFileLoadsWeightsOnlyInPythonAsAPlainDictOfIdenticalTensors) {
   TempDir dir;
   const std::string path = dir.file("sample.pt");
   gradsync::save_state_dict(sample_state(), path);
   const auto result = python_json(std::string(kPythonSample) + kPythonCompare + R"PY(
 import sys
-compare(torch.load(sys.argv[1]), sample)
+compare(torch.load(sys.argv[1], weights_only=True), sample)  # PyTorch 2.6's default
 )PY", {path});
   ASSERT_TRUE(result.is_object()) << result.dump();
   EXPECT_EQ(result["problems"], nlohmann::json::array()) << result.dump(2);
@@ -606,17 +606,45 @@ TEST(StateDict, FileTruncatedInItsLastBytesIsRejected) {
   }
 }
 
-TEST(StateDict, PythonOrderedDictFileGivesAConfigErrorWithAdvice) {
-  // torch.save(model.state_dict()) writes an OrderedDict (with _metadata); only plain dicts are supported,
-  // and the error must say how to save one.
+TEST(StateDict, PythonOrderedDictStateDictAndDdpCheckpointLoad) {
+  // torch.save(model.state_dict()) writes an OrderedDict with _metadata (libtorch's own unpickler turns it into
+  // None); a Python DDP checkpoint's keys start with "module.".
   TempDir dir;
-  const std::string path = dir.file("ordered.pt");
-  const auto r = run_python(R"PY(
-import sys, torch, torch.nn as nn
-torch.save(nn.Linear(2, 3).state_dict(), sys.argv[1])
-)PY", {path});
+  const auto r = run_python(std::string(kPythonNested) + kPythonFillDeterministic + R"PY(
+import sys
+from collections import OrderedDict
+m = Nested()
+m.load_state_dict(deterministic(m.state_dict()))
+torch.save(m.state_dict(), sys.argv[1])
+torch.save(OrderedDict(("module." + k, v) for k, v in m.state_dict().items()), sys.argv[2])
+)PY", {dir.file("ordered.pt"), dir.file("ddp.pt")});
   ASSERT_TRUE(r.ok()) << r.describe();
-  const std::string msg = error_of<gradsync::ConfigError>([&] { gradsync::load_state_dict(path); });
-  EXPECT_NE(msg.find(path), std::string::npos) << msg;
-  EXPECT_NE(msg.find("torch.save(dict("), std::string::npos) << msg;
+  Nested model;
+  const auto expected = gradsync::state_dict(*model);
+  fill_deterministic(expected);
+  const auto ordered = gradsync::load_state_dict(dir.file("ordered.pt"));
+  EXPECT_EQ(keys_of(ordered), kNestedKeys) << "the file's order is Python's state_dict order";
+  expect_same_state(ordered, expected);
+  auto ddp = gradsync::load_state_dict(dir.file("ddp.pt"));
+  EXPECT_EQ(gradsync::consume_prefix_in_state_dict_if_present(ddp, "module."), kNestedKeys.size());
+  expect_same_state(ddp, expected);
+  EXPECT_EQ(gradsync::consume_prefix_in_state_dict_if_present(ddp, "module."), 0u) << "already consumed";
+}
+
+TEST(StateDict, FileNamingAnyOtherClassIsRefusedAndNothingRuns) {
+  // A weights-only reader: a pickled function or class is named in the error and never called.
+  TempDir dir;
+  const std::string marker = dir.file("ran");
+  const auto r = run_python(R"PY(
+import sys, os, torch
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+torch.save({"w": torch.ones(2), "x": Evil()}, sys.argv[1])
+)PY", {dir.file("evil.pt"), marker});
+  ASSERT_TRUE(r.ok()) << r.describe();
+  const std::string msg = error_of<gradsync::ConfigError>([&] { gradsync::load_state_dict(dir.file("evil.pt")); });
+  EXPECT_NE(msg.find("'posix.system'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(dir.file("evil.pt")), std::string::npos) << msg;
+  EXPECT_FALSE(fs::exists(marker)) << "code from the file ran";
 }

@@ -1,6 +1,7 @@
 // The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/, bench/).
 #include <cstdio>
 #include <exception>
+#include <string>
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -13,6 +14,7 @@
 
 int main(int argc, char** argv) {
   CLI::App app{"gradsync: data-parallel training for libtorch with declared gradient semantics"};
+  app.set_version_flag("--version", std::string("gradsync ") + GRADSYNC_VERSION);
   app.require_subcommand(1);
   int exit_code = 0;
   gradsync::cli::add_launch_command(app, exit_code);

@@ -4,6 +4,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,10 +31,14 @@ class PendingWork {
   PendingWork() = default;
   PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout);
   bool valid() const { return static_cast<bool>(work_); }
+  // Waits, then runs the continuation given to then() (a communication hook's decompression), once.
   void wait();
+  // `fn` runs after the operation completes, inside wait(). Returns the same work.
+  PendingWork then(std::function<void()> fn) &&;
 
  private:
   std::shared_ptr<TransportWork> work_;
+  std::function<void()> then_;
   std::string what_;  // "rank 1 of 4: allreduce #12 (sum, 262144 x float) on gloo" for error messages
   std::chrono::milliseconds timeout_{0};
 };

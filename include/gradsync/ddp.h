@@ -18,18 +18,24 @@
 #include <string>
 #include <vector>
 
+#include "gradsync/comm_hook.h"
 #include "gradsync/engine.h"
 #include "gradsync/runtime.h"
 
 namespace gradsync {
 
+// PyTorch DDP's constructor arguments, set in libtorch's chained style:
+//   gradsync::DdpOptions().bucket_cap_mb(25).find_unused_parameters(true)
 struct DdpOptions {
-  Reduction reduction = Reduction::Mean;     // PyTorch DDP: mean
-  size_t bucket_cap_bytes = 25u << 20;       // PyTorch's bucket_cap_mb=25
-  size_t first_bucket_bytes = 1u << 20;      // PyTorch's first bucket: small so communication starts early
-  bool find_unused_parameters = false;       // unused parameters then contribute zeros instead of failing
-  bool broadcast_buffers = true;             // rank 0's buffers before every forward that follows a synced one
-  bool gradient_as_bucket_view = false;      // .grad aliases the bucket: saves a copy; zero with zero_grad()
+  // bucket_cap_mb in bytes, as PyTorch computes it (int(bucket_cap_mb * 1024 * 1024)).
+  size_t bucket_cap_bytes() const { return static_cast<size_t>(bucket_cap_mb_ * 1024 * 1024); }
+
+  TORCH_ARG(Reduction, reduction) = Reduction::Mean;  // PyTorch DDP: mean
+  TORCH_ARG(double, bucket_cap_mb) = 25;              // PyTorch's default; > 0
+  TORCH_ARG(size_t, first_bucket_bytes) = 1u << 20;   // PyTorch's first bucket: small so communication starts early
+  TORCH_ARG(bool, find_unused_parameters) = false;    // unused parameters then contribute zeros instead of failing
+  TORCH_ARG(bool, broadcast_buffers) = true;          // rank 0's buffers before every forward that follows a synced one
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;   // .grad aliases the bucket: saves a copy; zero with zero_grad()
 };
 
 // When things happened in the last synchronised backward, in ms since its first gradient hook: shows that
@@ -72,6 +78,10 @@ class DistributedDataParallel : public Engine {
   // Must be set before the synchronising backward (accumulate_global_mean() does it). Cleared after it.
   void set_global_item_count(int64_t items) override;
 
+  // PyTorch's register_comm_hook: `hook` reduces every bucket from now on (comm_hook.h). Once, before the first
+  // backward; a ConfigError otherwise.
+  void register_comm_hook(CommHook hook);
+
   const DdpOptions& options() const;
   World& world();
   size_t bucket_count() const;
@@ -79,6 +89,7 @@ class DistributedDataParallel : public Engine {
   BackwardTimeline last_timeline() const;
 
  private:
+  friend class Join;  // join.h: shadows this engine's collectives for ranks out of data
   std::shared_ptr<Reducer> reducer_;  // autograd hooks hold weak references to it
 };
 

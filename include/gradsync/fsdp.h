@@ -103,19 +103,22 @@ enum class ShardedAccumulation {
   ReduceEveryMicroStep,
 };
 
+// PyTorch FSDP's constructor arguments, chained like libtorch's options:
+//   gradsync::FsdpOptions().strategy(gradsync::ShardingStrategy::ShardGradOp).wrap(gradsync::WrapPolicy::at_least(1 << 20))
 struct FsdpOptions {
-  ShardingStrategy strategy = ShardingStrategy::FullShard;
-  WrapPolicy wrap = WrapPolicy::children();
-  MixedPrecision mixed_precision;        // see Note [Mixed precision on Gloo]
-  Reduction reduction = Reduction::Mean;  // PyTorch DDP/FSDP: mean
-  bool broadcast_buffers = true;         // rank 0's buffers before a forward that follows a synced one (as DDP)
-  OrderChecking order_checking = OrderChecking::FirstStep;
-  ShardedAccumulation accumulation = ShardedAccumulation::UnshardedGradients;  // what accumulate() does
+  TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
+  TORCH_ARG(WrapPolicy, wrap) = WrapPolicy::children();
+  TORCH_ARG(MixedPrecision, mixed_precision);                   // see Note [Mixed precision on Gloo]
+  TORCH_ARG(Reduction, reduction) = Reduction::Mean;            // PyTorch DDP/FSDP: mean
+  // Rank 0's buffers before a forward that follows a synced one (as DDP).
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  TORCH_ARG(OrderChecking, order_checking) = OrderChecking::FirstStep;
+  TORCH_ARG(ShardedAccumulation, accumulation) = ShardedAccumulation::UnshardedGradients;  // what accumulate() does
   // FULL_SHARD: start the next unit's all-gather while this one computes, in forward (a Sequential's next child
   // unit) and in backward (the unit backward reaches next), with at most two units gathered besides the root
   // (PyTorch's limit_all_gathers). false: one unit at a time, the lowest peak. Reduce-scatters always overlap the
   // rest of backward (one in flight), collected before backward() returns.
-  bool prefetch = true;
+  TORCH_ARG(bool, prefetch) = true;
 };
 
 struct UnitInfo {

@@ -1,10 +1,12 @@
 // defines: the umbrella header: everything a gradsync user writes against.
 #pragma once
 #include "gradsync/collectives.h"
+#include "gradsync/comm_hook.h"
 #include "gradsync/ddp.h"
 #include "gradsync/engine.h"
 #include "gradsync/error.h"
 #include "gradsync/fsdp.h"
+#include "gradsync/join.h"
 #include "gradsync/local.h"
 #include "gradsync/reduction.h"
 #include "gradsync/runtime.h"

@@ -24,7 +24,7 @@ struct LaunchEnv {
   std::string store_file;   // GRADSYNC_STORE_FILE: a c10d FileStore handed over by `gradsync launch`
   bool agent_store = false; // torchrun's TORCHELASTIC_USE_AGENT_STORE: every rank is a store client
   int restart_count = 0;    // TORCHELASTIC_RESTART_COUNT: keeps store keys of a restarted job apart
-  std::string source;       // "torchrun", "openmpi" or "none" (single process)
+  std::string source;       // "torchrun", "openmpi", "pmi" (MPICH's mpiexec), "slurm" (srun) or "none"
   // GRADSYNC_BACKEND=gloo|mpi; unset: mpi under mpirun (source "openmpi"), gloo everywhere else. Gloo needs a
   // store (MASTER_ADDR/MASTER_PORT or GRADSYNC_STORE_FILE) for more than one rank; MPI needs none.
   Backend backend = Backend::Gloo;
@@ -37,10 +37,13 @@ Backend parse_backend(const std::string& name, const std::string& what);
 using EnvLookup = std::function<std::optional<std::string>(const std::string&)>;
 std::optional<std::string> process_env(const std::string& name);
 
-// Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE/MASTER_ADDR/MASTER_PORT (torchrun) or
-// OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (OpenMPI), and GRADSYNC_BACKEND. With none of the rank
-// variables set, the result is a single-process world. Throws ConfigError naming the variable and its value for anything missing, not an
-// integer, or out of range.
+// Reads the first launcher family present: RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun, gradsync launch),
+// OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE (Open MPI's mpirun), PMI_RANK/PMI_SIZE with MPI_LOCALRANKID/
+// MPI_LOCALNRANKS (MPICH's mpiexec), SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID/SLURM_NTASKS_PER_NODE (srun: only
+// inside a job step, SLURM_STEP_ID set); then MASTER_ADDR/MASTER_PORT (or GRADSYNC_STORE_FILE) and
+// GRADSYNC_BACKEND. The backend defaults to mpi under Open MPI's mpirun, else gloo (which needs MASTER_ADDR/PORT
+// for more than one rank). With no rank variable set the result is a single-process world. Throws ConfigError
+// naming the variable and its value for anything missing, not an integer, or out of range.
 LaunchEnv read_launch_env(const EnvLookup& lookup = process_env);
 
 // ---- joining a job -------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 // defines: StateDict (ordered name -> tensor, Python's state_dict order and keys) and Python-compatible files:
-// what gradsync saves, Python's torch.load reads as a plain dict; what Python saves with
-// torch.save(dict(model.state_dict()), f), gradsync loads.
+// what gradsync saves is the file Python's torch.save writes for a dict of tensors, so torch.load(f) and
+// torch.load(f, weights_only=True) read it; what Python saves with torch.save(model.state_dict(), f) (an
+// OrderedDict) or torch.save(dict(...), f), gradsync loads. Reading never runs code from a file: only tensors,
+// dicts, lists, numbers and strings are accepted (weights-only).
 #pragma once
 #include <string>
 #include <utility>
@@ -20,16 +22,23 @@ StateDict state_dict(const torch::nn::Module& module);
 // never a torn one. Throws Error naming the path and errno.
 void save_state_dict(const StateDict& state, const std::string& path);
 
-// Reads a file written by save_state_dict or by Python torch.save(dict(...)) (zip format, a plain dict of tensors).
+// Reads a file written by save_state_dict or by Python's torch.save(model.state_dict(), path) (zip format, a dict
+// or OrderedDict of tensors), in the file's order. A Python DDP checkpoint's keys start with "module.": strip them
+// with consume_prefix_in_state_dict_if_present(state, "module.").
 StateDict load_state_dict(const std::string& path);
 
-// Reads any file torch.save (zip format) or save_state_dict wrote and unpickles it. libtorch 1.13 reads a truncated
-// zip past its end, so the zip's end records and central directory are checked first: a torn or foreign file is a
-// ConfigError before any parsing. `kind` names the file in messages ("state file"), `hint` says how to make one.
+// PyTorch's torch.nn.modules.utils.consume_prefix_in_state_dict_if_present: every key that starts with `prefix`
+// loses it (DDP's "module.", FSDP's wrapper prefixes); other keys stay as they are. Returns how many keys changed.
+size_t consume_prefix_in_state_dict_if_present(StateDict& state, const std::string& prefix);
+
+// Reads any file torch.save (zip format) or save_state_dict wrote, weights-only (a class other than tensors' and
+// OrderedDict's is refused, naming it). The zip's end records and central directory are checked first: a torn or
+// foreign file is a ConfigError before any parsing. `kind` names the file in messages ("state file"), `hint` says
+// how to make one.
 c10::IValue read_torch_file(const std::string& path, const std::string& kind = "torch file",
                             const std::string& hint = "");
-// The guarded unpickler read_torch_file uses, for bytes already read: ConfigError "truncated or not a torch.save
-// zip file (N bytes)" before any parsing; libtorch's own errors propagate as it throws them.
+// The guarded reader read_torch_file uses, for bytes already read: ConfigError "truncated or not a torch.save
+// zip file (N bytes)" before any parsing, ConfigError for a refused class or a malformed pickle.
 c10::IValue unpickle_torch_zip(const std::vector<char>& bytes);
 
 // "" when `given` has exactly the keys of `expected` with the same shapes; otherwise everything that is wrong:

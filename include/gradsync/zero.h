@@ -25,9 +25,10 @@
 
 namespace gradsync {
 
+// Chained like libtorch's options: gradsync::ZeroOptions().reduction(gradsync::Reduction::Sum).
 struct ZeroOptions {
-  Reduction reduction = Reduction::Mean;  // of the gradient over ranks (see Note [Where the division happens])
-  bool broadcast_buffers = true;          // as DDP: rank 0's buffers before a forward that follows a synced one
+  TORCH_ARG(Reduction, reduction) = Reduction::Mean;  // of the gradient over ranks (Note [Where the division happens])
+  TORCH_ARG(bool, broadcast_buffers) = true;          // as DDP: rank 0's buffers before a forward after a synced one
 };
 
 class Zero1Shard;  // the flat parameter, its slice and when it is reduced and gathered; private to the library

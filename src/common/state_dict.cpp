@@ -12,12 +12,13 @@
 #include <fmt/ranges.h>
 
 #include "common/atomic_file.h"
+#include "common/torch_file.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
 namespace {
 
-constexpr const char* kStateFileHint = "save it with torch.save(dict(model.state_dict()), path)";
+constexpr const char* kStateFileHint = "save it with torch.save(model.state_dict(), path)";
 
 void collect(const torch::nn::Module& module, const std::string& prefix, StateDict& out) {
   for (const auto& item : module.named_parameters(/*recurse=*/false)) {
@@ -31,35 +32,6 @@ void collect(const torch::nn::Module& module, const std::string& prefix, StateDi
 
 std::string shape_of(const torch::Tensor& t) { return fmt::format("[{}]", fmt::join(t.sizes(), ", ")); }
 
-uint64_t little_endian(const std::vector<char>& b, size_t at, size_t width) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < width; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(b[at + i])) << (8 * i);
-  return v;
-}
-
-// libtorch 1.13's pickle_load reads a truncated zip past the end of its buffer (and may then "load" it). Check the
-// zip's end records and central-directory bounds first, so a torn or foreign file is refused before parsing.
-bool zip_structure_ok(const std::vector<char>& b) {
-  constexpr size_t kEocd = 22;
-  if (b.size() < kEocd) return false;
-  const size_t lowest = b.size() >= kEocd + 65535 ? b.size() - kEocd - 65535 : 0;
-  for (size_t p = b.size() - kEocd + 1; p-- > lowest;) {
-    if (little_endian(b, p, 4) != 0x06054b50) continue;
-    if (p + kEocd + little_endian(b, p + 20, 2) != b.size()) return false;  // the record must end the file
-    uint64_t cd_size = little_endian(b, p + 12, 4), cd_offset = little_endian(b, p + 16, 4);
-    size_t cd_end_limit = p;
-    if (p >= 20 && little_endian(b, p - 20, 4) == 0x07064b50) {  // zip64: the real figures are elsewhere
-      const uint64_t z = little_endian(b, p - 20 + 8, 8);
-      if (z + 56 > p - 20 || little_endian(b, static_cast<size_t>(z), 4) != 0x06064b50) return false;
-      cd_size = little_endian(b, static_cast<size_t>(z) + 40, 8);
-      cd_offset = little_endian(b, static_cast<size_t>(z) + 48, 8);
-      cd_end_limit = static_cast<size_t>(z);
-    }
-    return cd_offset <= cd_end_limit && cd_size <= cd_end_limit - cd_offset;
-  }
-  return false;
-}
-
 }  // namespace
 
 StateDict state_dict(const torch::nn::Module& module) {
@@ -69,17 +41,12 @@ StateDict state_dict(const torch::nn::Module& module) {
 }
 
 void save_state_dict(const StateDict& state, const std::string& path) {
-  c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& [name, tensor] : state) dict.insert(name, tensor.detach().contiguous());
-  write_file_atomically(path, torch::pickle_save(dict));
+  c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, tensor] : state) dict.insert(name, tensor);
+  write_file_atomically(path, encode_torch_file(dict));
 }
 
-c10::IValue unpickle_torch_zip(const std::vector<char>& bytes) {
-  if (!zip_structure_ok(bytes)) {
-    throw ConfigError(fmt::format("truncated or not a torch.save zip file ({} bytes)", bytes.size()));
-  }
-  return torch::pickle_load(bytes);
-}
+c10::IValue unpickle_torch_zip(const std::vector<char>& bytes) { return decode_torch_file(bytes); }
 
 c10::IValue read_torch_file(const std::string& path, const std::string& kind, const std::string& hint) {
   const std::string advice = hint.empty() ? "" : "; " + hint;
@@ -99,7 +66,7 @@ StateDict load_state_dict(const std::string& path) {
   const auto value = read_torch_file(path, "state file", kStateFileHint);
   if (!value.isGenericDict()) {
     throw ConfigError(fmt::format("state file '{}' holds a {}, expected a dict of tensors (save it with "
-                                  "torch.save(dict(model.state_dict()), path))", path, value.tagKind()));
+                                  "torch.save(model.state_dict(), path))", path, value.tagKind()));
   }
   StateDict out;
   for (const auto& entry : value.toGenericDict()) {
@@ -109,6 +76,17 @@ StateDict load_state_dict(const std::string& path) {
     out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
   }
   return out;
+}
+
+size_t consume_prefix_in_state_dict_if_present(StateDict& state, const std::string& prefix) {
+  size_t changed = 0;
+  for (auto& item : state) {
+    if (!prefix.empty() && item.first.rfind(prefix, 0) == 0) {
+      item.first.erase(0, prefix.size());
+      ++changed;
+    }
+  }
+  return changed;
 }
 
 std::string state_dict_mismatch(const StateDict& given, const StateDict& expected, const std::string& given_label) {

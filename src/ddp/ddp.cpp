@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 #include "common/clip_grad.h"
 #include "common/consistency.h"
 #include "ddp/reducer.h"
@@ -14,6 +16,10 @@ namespace gradsync {
 DistributedDataParallel::DistributedDataParallel(const ModuleRef& module, std::shared_ptr<World> world,
                                                  DdpOptions options)
     : Engine(module), reducer_(std::make_shared<Reducer>()) {
+  if (!(options.bucket_cap_mb() > 0) || !std::isfinite(options.bucket_cap_mb())) {
+    throw ConfigError(fmt::format("DistributedDataParallel: bucket_cap_mb={} is invalid; expected a finite "
+                                  "number > 0 (PyTorch's default is 25)", options.bucket_cap_mb()));
+  }
   reducer_->module = module.module;
   reducer_->world = std::move(world);
   reducer_->options = options;
@@ -69,7 +75,7 @@ MemoryStats DistributedDataParallel::memory() const {
 
 CommStats DistributedDataParallel::traffic() const { return reducer_->traffic; }
 torch::nn::Module& DistributedDataParallel::module() { return *reducer_->module; }
-Reduction DistributedDataParallel::reduction() const { return reducer_->options.reduction; }
+Reduction DistributedDataParallel::reduction() const { return reducer_->options.reduction(); }
 Collectives* DistributedDataParallel::comm() { return &reducer_->world->comm(); }
 void DistributedDataParallel::begin_forward() { reducer_->before_forward(); }
 void DistributedDataParallel::end_forward() { reducer_->after_forward(); }
@@ -78,6 +84,16 @@ void DistributedDataParallel::join_backward() { reducer_->join_backward(); }
 void DistributedDataParallel::set_global_item_count(int64_t items) {
   if (items < 0) throw ConfigError(fmt::format("global item count {} is invalid; expected >= 0", items));
   reducer_->global_items = items;
+}
+
+void DistributedDataParallel::register_comm_hook(CommHook hook) {
+  auto& r = *reducer_;
+  if (!hook) throw ConfigError("DistributedDataParallel::register_comm_hook: the hook is empty");
+  if (r.comm_hook) throw ConfigError("DistributedDataParallel::register_comm_hook: a hook is already registered");
+  if (r.synced_once || r.expect_hooks) {
+    throw ConfigError("DistributedDataParallel::register_comm_hook: register the hook before the first forward");
+  }
+  r.comm_hook = std::move(hook);
 }
 
 const DdpOptions& DistributedDataParallel::options() const { return reducer_->options; }

@@ -16,7 +16,7 @@
 namespace gradsync {
 
 void Reducer::queue_finalize(const std::weak_ptr<Reducer>& self) {
-  if (options.reduction == Reduction::GlobalMean && !global_items) {
+  if (options.reduction() == Reduction::GlobalMean && !global_items) {
     throw ConfigError(fmt::format(
         "DistributedDataParallel on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
         "before the synchronising backward; use gradsync::accumulate_global_mean() or set_global_item_count()",
@@ -42,21 +42,30 @@ void Reducer::mark_ready(size_t index, const std::weak_ptr<Reducer>& self) {
                                        "twice in one backward; call forward again before another backward",
                                        rank(), names[index]));
   }
-  if (!rebuilt && !options.find_unused_parameters) ready_order.push_back(index);
+  if (!rebuilt && !options.find_unused_parameters()) ready_order.push_back(index);
   copy_into_bucket(index);
   slot.ready = true;
   timeline.last_hook_ms = ms_since_start();
   if (--buckets[slot.bucket].pending == 0) launch_ready_buckets();
 }
 
-// The factor folded into the copy of .grad into its bucket (see Note [Where the division happens]).
-double Reducer::bucket_scale() const {
-  switch (options.reduction) {
-    case Reduction::Mean: return 1.0 / size();
+// What the reduction divides by: N ranks (or the ranks still training, under Join without
+// divide_by_initial_world_size), 1, or the step's item count.
+double Reducer::divisor() const {
+  switch (options.reduction()) {
+    case Reduction::Mean: return static_cast<double>(join_divisor.value_or(size()));
     case Reduction::Sum: return 1.0;
-    case Reduction::GlobalMean: return *global_items > 0 ? 1.0 / static_cast<double>(*global_items) : 0.0;
+    case Reduction::GlobalMean: return static_cast<double>(std::max<int64_t>(*global_items, 1));
   }
   return 1.0;
+}
+
+// The factor folded into the copy of .grad into its bucket (see Note [Where the division happens]). With a
+// communication hook the copy is plain: the hook divides (as PyTorch's hooks do).
+double Reducer::bucket_scale() const {
+  if (comm_hook) return 1.0;
+  if (options.reduction() == Reduction::GlobalMean && *global_items == 0) return 0.0;
+  return 1.0 / divisor();
 }
 
 void Reducer::copy_into_bucket(size_t index) {
@@ -81,11 +90,17 @@ void Reducer::launch_ready_buckets() {
   // Collectives must be issued in the same order on every rank: bucket i waits for buckets < i.
   while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
     auto& bucket = buckets[next_launch];
-    bucket.work = world->comm().allreduce_sum_async(bucket.flat);
+    bucket.work = comm_hook ? run_comm_hook(next_launch) : world->comm().allreduce_sum_async(bucket.flat);
     traffic.add_allreduce(bucket.flat.numel() * static_cast<int64_t>(bucket.flat.element_size()), size());
     timeline.bucket_launch_ms.push_back(ms_since_start());
     ++next_launch;
   }
+}
+
+PendingWork Reducer::run_comm_hook(size_t index) {
+  GradBucket view{index, index + 1 == buckets.size(), buckets[index].flat, divisor(), {}};
+  for (size_t p : buckets[index].params) view.parameter_names.push_back(names[p]);
+  return comm_hook(world->comm(), view);
 }
 
 std::vector<size_t> Reducer::zero_unused() {
@@ -103,7 +118,7 @@ std::vector<size_t> Reducer::zero_unused() {
 // PyTorch leaves .grad untouched for a parameter unused on every rank; that needs one small allreduce.
 std::vector<bool> Reducer::globally_used(const std::vector<size_t>& unused) {
   std::vector<bool> used(params.size(), true);
-  if (!options.find_unused_parameters) return used;
+  if (!options.find_unused_parameters()) return used;
   auto local = torch::ones({static_cast<int64_t>(params.size())}, torch::kLong);
   for (size_t i : unused) local[static_cast<int64_t>(i)] = 0;
   world->comm().allreduce(local, Reduction::Sum);
@@ -118,7 +133,7 @@ void Reducer::write_back(const std::vector<bool>& used_anywhere) {
     auto& param = params[i];
     const auto& view = slots[i].view;
     auto& grad = param.mutable_grad();
-    if (options.gradient_as_bucket_view) {
+    if (options.gradient_as_bucket_view()) {
       if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
     } else if (grad.defined()) {
       grad.copy_(view);
@@ -139,11 +154,13 @@ void Reducer::finalize(bool joined) {
     write_back(globally_used(unused));
   } catch (...) {
     reset();
+    join_divisor.reset();
     throw;
   }
   reset();
+  join_divisor.reset();  // set by Join::notify() for this step only (after_forward's reset() keeps it)
   synced_once = true;
-  if (!joined && !unused.empty() && !options.find_unused_parameters) {
+  if (!joined && !unused.empty() && !options.find_unused_parameters()) {
     std::vector<std::string> unused_names;
     for (size_t i : unused) unused_names.push_back(names[i]);
     throw DistributedError(fmt::format(
@@ -180,7 +197,7 @@ void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
       bucket.params.push_back(entry.param);
       // Gradients that alias the old buckets move into the new ones.
       auto& grad = params[entry.param].mutable_grad();
-      if (options.gradient_as_bucket_view && grad.defined()) {
+      if (options.gradient_as_bucket_view() && grad.defined()) {
         slot.view.copy_(grad);
         grad = slot.view;
       }
@@ -196,7 +213,7 @@ void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
 // of its own and receives rank 0's): one side deciding alone would leave the other waiting in the broadcast. If
 // rank 0 itself joined, it has no order to give, and every rank keeps the initial layout.
 void Reducer::maybe_rebuild_buckets() {
-  if (rebuilt || options.find_unused_parameters || !synced_once) return;
+  if (rebuilt || options.find_unused_parameters() || !synced_once) return;
   std::vector<int64_t> mine(params.size(), -1);
   if (ready_order.size() == params.size()) std::copy(ready_order.begin(), ready_order.end(), mine.begin());
   auto order = torch::tensor(mine, torch::kLong);
@@ -206,7 +223,7 @@ void Reducer::maybe_rebuild_buckets() {
   if (params.empty() || order[0].item<int64_t>() < 0) return;
   std::vector<size_t> agreed(params.size());
   for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[static_cast<int64_t>(i)].item<int64_t>());
-  build_buckets(rebuilt_bucket_layout(params, agreed, options.first_bucket_bytes, options.bucket_cap_bytes));
+  build_buckets(rebuilt_bucket_layout(params, agreed, options.first_bucket_bytes(), options.bucket_cap_bytes()));
 }
 
 void Reducer::set_up(const std::shared_ptr<Reducer>& self) {
@@ -216,9 +233,9 @@ void Reducer::set_up(const std::shared_ptr<Reducer>& self) {
     params.push_back(item.value());
   }
   // Same parameters and buffers (names, dtypes, shapes) on every rank, or every rank fails naming the difference.
-  buffers = BufferSync(set_up_replica(world->comm(), "DistributedDataParallel", *module), options.broadcast_buffers);
-  build_buckets(initial_bucket_layout(params, options.find_unused_parameters, options.first_bucket_bytes,
-                                      options.bucket_cap_bytes));
+  buffers = BufferSync(set_up_replica(world->comm(), "DistributedDataParallel", *module), options.broadcast_buffers());
+  build_buckets(initial_bucket_layout(params, options.find_unused_parameters(), options.first_bucket_bytes(),
+                                      options.bucket_cap_bytes()));
   const std::weak_ptr<Reducer> weak = self;  // the hooks outlive the reducer inside autograd's graph
   for (size_t i = 0; i < params.size(); ++i) {
     accumulators.push_back(on_gradient_accumulated(params[i], [weak, i] {

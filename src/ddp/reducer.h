@@ -14,6 +14,7 @@
 
 #include "ddp/bucket.h"
 #include "engine/replica.h"
+#include "gradsync/comm_hook.h"
 #include "gradsync/ddp.h"
 #include "gradsync/stats.h"
 
@@ -56,6 +57,8 @@ class Reducer {
   bool synced_once = false;            // a synchronised backward (or a join) has completed
   std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
   std::optional<int64_t> global_items; // Reduction::GlobalMean: items in this step over all ranks
+  std::optional<int64_t> join_divisor; // Join without divide_by_initial_world_size: ranks in this step
+  CommHook comm_hook;                  // empty: the default path (scale while copying, SUM allreduce)
   Clock::time_point backward_start;
   BackwardTimeline timeline;
 
@@ -79,7 +82,9 @@ class Reducer {
   void copy_into_bucket(size_t index);
   void launch_ready_buckets();
   void finalize(bool joined);
+  double divisor() const;
   double bucket_scale() const;
+  PendingWork run_comm_hook(size_t index);
   std::vector<size_t> zero_unused();
   std::vector<bool> globally_used(const std::vector<size_t>& unused);
   void write_back(const std::vector<bool>& used_anywhere);

@@ -25,7 +25,7 @@ void broadcast_from_rank0(Collectives& comm, torch::nn::Module& module) {
 }
 
 void BufferSync::before_forward(Collectives& comm) {
-  if (enabled_ && required_ && comm.size() > 1 && !buffers_.empty()) comm.broadcast_coalesced(buffers_, /*root=*/0);
+  if (enabled_ && required_ && comm.size() > 1 && !buffers_.empty()) comm.broadcast_coalesced(buffers_, root_);
 }
 
 void require_mean_or_sum(const std::string& who, Reduction reduction) {

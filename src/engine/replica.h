@@ -30,6 +30,8 @@ class BufferSync {
   BufferSync(std::vector<torch::Tensor> buffers, bool enabled) : buffers_(std::move(buffers)), enabled_(enabled) {}
 
   void before_forward(Collectives& comm);
+  // The rank whose buffers are broadcast: 0, or under Join the highest rank still training (PyTorch's rule).
+  void set_root(int root) { root_ = root; }
   void after_forward(bool synchronised) { required_ = synchronised; }
   void continue_accumulation() { required_ = false; }
   const std::vector<torch::Tensor>& buffers() const { return buffers_; }
@@ -38,6 +40,7 @@ class BufferSync {
   std::vector<torch::Tensor> buffers_;
   bool enabled_ = true;
   bool required_ = true;
+  int root_ = 0;
 };
 
 // The sharded engines reduce with Mean or Sum; GlobalMean needs DDP's reducer (ConfigError naming `who`).

@@ -2,6 +2,8 @@
 // backends; the bytes move in src/runtime/{gloo,mpi}_transport.cpp.
 #include "gradsync/collectives.h"
 
+#include <utility>
+
 #include <cstring>
 #include <map>
 
@@ -27,6 +29,12 @@ void PendingWork::wait() {
     throw DistributedError(fmt::format("{} failed: {} (another rank exited, crashed or stalled; the launcher's "
                                        "report names it)", what_, e.what()));
   }
+  if (then_) std::exchange(then_, nullptr)();
+}
+
+PendingWork PendingWork::then(std::function<void()> fn) && {
+  then_ = std::move(fn);
+  return std::move(*this);
 }
 
 Collectives::Collectives(std::shared_ptr<Transport> transport, int rank, int size, std::chrono::milliseconds timeout)

@@ -22,6 +22,10 @@ struct VariableNames {
 constexpr VariableNames kTorchrun{"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"};
 constexpr VariableNames kOpenMpi{"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
                                  "OMPI_COMM_WORLD_LOCAL_SIZE"};
+// MPICH's Hydra (mpiexec) and Intel MPI: the PMI variables.
+constexpr VariableNames kPmi{"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"};
+// srun's tasks (only inside a job step: a batch script's own SLURM_PROCID=0 is not a rank of SLURM_NTASKS).
+constexpr VariableNames kSlurm{"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"};
 
 int parse_int(const std::string& name, const std::string& value, const char* expected) {
   int out = 0;
@@ -38,7 +42,7 @@ int required_int(const EnvLookup& env, const char* name, const char* expected) {
   auto value = env(name);
   if (!value) {
     throw ConfigError(fmt::format("environment variable {} is not set; expected {} (set by torchrun, "
-                                  "`gradsync launch` or mpirun)", name, expected));
+                                  "`gradsync launch`, mpirun, mpiexec or srun)", name, expected));
   }
   return parse_int(name, *value, expected);
 }
@@ -77,7 +81,8 @@ void read_store_location(const EnvLookup& env, LaunchEnv& e) {
   auto addr = env("MASTER_ADDR");
   if (!addr || addr->empty()) {
     throw ConfigError("environment variable MASTER_ADDR is not set; expected the host of rank 0's store "
-                      "(e.g. 127.0.0.1), or run under `gradsync launch`");
+                      "(e.g. 127.0.0.1; under srun or mpiexec export MASTER_ADDR and MASTER_PORT), or run under "
+                      "`gradsync launch`");
   }
   e.master_addr = *addr;
   e.master_port = required_int(env, "MASTER_PORT", "a TCP port 1..65535");
@@ -125,9 +130,15 @@ std::optional<std::string> process_env(const std::string& name) {
   return std::string(value);
 }
 
+// In order: a launcher's own variables win over the scheduler's that surround it (torchrun or mpirun inside a
+// SLURM allocation).
 LaunchEnv read_launch_env(const EnvLookup& env) {
   if (env(kTorchrun.rank) || env(kTorchrun.world_size)) return read_family(env, kTorchrun, "torchrun");
   if (env(kOpenMpi.rank) || env(kOpenMpi.world_size)) return read_family(env, kOpenMpi, "openmpi");
+  if (env(kPmi.rank) || env(kPmi.world_size)) return read_family(env, kPmi, "pmi");
+  if ((env(kSlurm.rank) || env(kSlurm.world_size)) && (env("SLURM_STEP_ID") || env("SLURM_STEPID"))) {
+    return read_family(env, kSlurm, "slurm");
+  }
   LaunchEnv single;
   single.source = "none";
   single.backend = read_backend(env, "none");

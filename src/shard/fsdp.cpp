@@ -38,7 +38,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(const ModuleRef& module, std:
   s.world = std::move(world);
   s.options = std::move(options);
   s.self = units_;
-  require_mean_or_sum(kWho, s.options.reduction);
+  require_mean_or_sum(kWho, s.options.reduction());
   s.build(kWho);
 }
 
@@ -70,7 +70,7 @@ void FullyShardedDataParallel::join_backward() { units_->join_backward(); }
 void FullyShardedDataParallel::continue_accumulation() { units_->buffers.continue_accumulation(); }
 
 bool FullyShardedDataParallel::reduces_every_micro_step() const {
-  return units_->options.accumulation == ShardedAccumulation::ReduceEveryMicroStep;
+  return units_->options.accumulation() == ShardedAccumulation::ReduceEveryMicroStep;
 }
 
 std::vector<torch::Tensor> FullyShardedDataParallel::parameters() const {
@@ -111,7 +111,7 @@ void FullyShardedDataParallel::load_state_dict(const StateDict& state) {
 void FullyShardedDataParallel::save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer) {
   auto& s = *units_;
   fail_together_on_throw(s.comm(), fmt::format("{}: save_sharded", kWho), [&] {
-    save_shards(dir, fmt::format("fsdp:{}", to_string(s.options.strategy)), s.world->rank(), s.size(),
+    save_shards(dir, fmt::format("fsdp:{}", to_string(s.options.strategy())), s.world->rank(), s.size(),
                 shard_slots(s.flat_views), optimizer);
   });
 }
@@ -132,7 +132,7 @@ MemoryStats FullyShardedDataParallel::memory() const {
 void FullyShardedDataParallel::reset_peak_memory() { units_->meter.reset_peak(); }
 CommStats FullyShardedDataParallel::traffic() const { return units_->traffic; }
 torch::nn::Module& FullyShardedDataParallel::module() { return *units_->module; }
-Reduction FullyShardedDataParallel::reduction() const { return units_->options.reduction; }
+Reduction FullyShardedDataParallel::reduction() const { return units_->options.reduction(); }
 Collectives* FullyShardedDataParallel::comm() { return &units_->comm(); }
 
 std::vector<UnitInfo> FullyShardedDataParallel::units() const {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "common/atomic_file.h"
+#include "common/torch_file.h"
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "shard/optimizer_state.h"
@@ -97,7 +98,7 @@ void save_shards(const std::string& dir, const std::string& kind, int rank, int 
   }
   root.insert("units", units);
   make_directories(dir);
-  write_file_atomically(shard_file(dir, rank, world), torch::pickle_save(root));
+  write_file_atomically(shard_file(dir, rank, world), encode_torch_file(root));
 }
 
 void load_shards(const std::string& dir, int rank, int world, const std::vector<ShardSlot>& slots,

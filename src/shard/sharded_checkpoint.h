@@ -1,7 +1,8 @@
 // defines: sharded checkpoints: every rank writes and reads only what it owns, its parameter shards and the
 // optimizer state of those shards, to DIR/shard-<rank>-of-<N>.pt. No rank ever holds the whole model.
 //
-// File format (torch::pickle_save of a dict; Python's torch.load reads it as nested dicts):
+// File format (encode_torch_file of a dict, common/torch_file.h: torch.load(f, weights_only=True) reads it as nested
+// dicts):
 //   {"format": "gradsync-sharded/1", "kind": "fsdp:full_shard" | "zero1" | ..., "rank": r, "world_size": N,
 //    "units": {UNIT: {"numel": n, "padded_numel": P, "shard_offset": o, "shard": Tensor,
 //                     "optimizer": {"step": s (Adam/AdamW), "exp_avg": Tensor, ...}}}}

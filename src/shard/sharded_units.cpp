@@ -46,7 +46,7 @@ void ShardedUnits::reduce(size_t u) {
 void ShardedUnits::start_reduce(size_t u) {
   auto& flat = *flats[u];
   order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
-  flat.start_reduce(comm(), options.reduction, traffic);
+  flat.start_reduce(comm(), options.reduction(), traffic);
   step_collectives.emplace_back(OrderCheck::Op::ReduceGrad, u);
 }
 
@@ -67,7 +67,7 @@ size_t ShardedUnits::gathered_units() const {
 // Backward runs the units in reverse forward order: the next one is the last unit of this forward still waiting for
 // its gradient. Its all-gather starts now (FULL_SHARD freed it after forward), within kMaxGatheredUnits.
 void ShardedUnits::prefetch_backward() {
-  if (options.strategy != ShardingStrategy::FullShard || !options.prefetch) return;
+  if (options.strategy() != ShardingStrategy::FullShard || !options.prefetch()) return;
   if (gathered_units() >= kMaxGatheredUnits) return;
   for (auto it = forward_order.rbegin(); it != forward_order.rend(); ++it) {
     const auto& p = progress[*it];
@@ -98,8 +98,8 @@ torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor
   }
   gather(u, OrderCheck::Op::ForwardGather);
   forward_order.push_back(u);
-  if (next && options.prefetch) {  // run_sequential knows the next unit: its gather overlaps this forward
-    const bool keeps_all = options.strategy == ShardingStrategy::ShardGradOp;  // holds every unit anyway
+  if (next && options.prefetch()) {  // run_sequential knows the next unit: its gather overlaps this forward
+    const bool keeps_all = options.strategy() == ShardingStrategy::ShardGradOp;  // holds every unit anyway
     if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(*next, OrderCheck::Op::ForwardGather);
   }
   auto output = fn();
@@ -111,7 +111,7 @@ torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor
       if (auto units = weak.lock()) units->pre_backward(u);
     });
   }
-  if (options.strategy == ShardingStrategy::FullShard) flats[u]->free();
+  if (options.strategy() == ShardingStrategy::FullShard) flats[u]->free();
   return output;
 }
 
@@ -127,7 +127,7 @@ torch::Tensor ShardedUnits::run_sequential(const torch::Tensor& input) {
     if (!plans[u].is_root) starts[plans[u].first_child] = static_cast<int64_t>(u);
   }
   auto x = input;
-  const auto& precision = options.mixed_precision;
+  const auto& precision = options.mixed_precision();
   if (precision.param_dtype && x.is_floating_point()) x = x.to(*precision.param_dtype);
   auto children = sequential->begin();
   for (size_t i = 0; i < sequential->size();) {
@@ -203,7 +203,7 @@ void ShardedUnits::post_backward(size_t u) {
     finish_reductions(kMaxReductionsInFlight);
   }
   // FULL_SHARD reshards as soon as the unit's backward is done; the others keep parameters until the end.
-  if (options.strategy == ShardingStrategy::FullShard) flat.free();
+  if (options.strategy() == ShardingStrategy::FullShard) flat.free();
   prefetch_backward();
 }
 
@@ -248,7 +248,7 @@ void ShardedUnits::join_backward() {
 // gathered here), zeros reduced, and FULL_SHARD's frees, so the joiner holds no more than one unit at a time.
 void ShardedUnits::replay(const Collective& collective) {
   const auto [op, u] = collective;
-  const bool full_shard = options.strategy == ShardingStrategy::FullShard;
+  const bool full_shard = options.strategy() == ShardingStrategy::FullShard;
   if (op == OrderCheck::Op::ReduceGrad) {
     flats[u]->ensure_grad_buffer();  // zeros
     reduce(u);
@@ -296,26 +296,26 @@ void ShardedUnits::free_all() {
 }
 
 void ShardedUnits::build(const std::string& who) {
-  plans = plan_units(*module, options.wrap);
+  plans = plan_units(*module, options.wrap());
   // Model and plan must agree on every rank before any unit collective is issued; rank 0's values everywhere,
   // before the parameters are flattened.
   std::vector<std::string> lines{
-      fmt::format("strategy {} wrap {}", to_string(options.strategy), options.wrap.to_string())};
+      fmt::format("strategy {} wrap {}", to_string(options.strategy()), options.wrap().to_string())};
   for (const auto& plan : plans) {
     lines.push_back(fmt::format("unit {}: {}", plan.name, fmt::join(plan.param_names, ", ")));
   }
-  buffers = BufferSync(set_up_replica(comm(), who, *module, lines), options.broadcast_buffers);
+  buffers = BufferSync(set_up_replica(comm(), who, *module, lines), options.broadcast_buffers());
   std::vector<std::string> names;
   for (size_t u = 0; u < plans.size(); ++u) {
     flats.push_back(std::make_unique<FlatParam>(plans[u], world->rank(), size(), sharded(),
-                                                options.mixed_precision));
+                                                options.mixed_precision()));
     flat_views.push_back(flats.back().get());
     if (plans[u].is_root) root = static_cast<int64_t>(u);
     unit_index[plans[u].name] = u;
     names.push_back(plans[u].name);
   }
   progress.resize(flats.size());
-  order = std::make_unique<OrderCheck>(names, options.order_checking);
+  order = std::make_unique<OrderCheck>(names, options.order_checking());
   install_hooks();
   free_all();  // parameters are gathered when a forward needs them
   sample_memory();

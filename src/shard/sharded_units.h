@@ -61,7 +61,7 @@ class ShardedUnits {
 
   Collectives& comm() { return world->comm(); }
   int size() const { return world->size(); }
-  bool sharded() const { return options.strategy != ShardingStrategy::NoShard; }
+  bool sharded() const { return options.strategy() != ShardingStrategy::NoShard; }
   bool is_root(size_t u) const { return static_cast<int64_t>(u) == root; }
 
   // Model and plan checked on every rank, rank 0's values everywhere, units flattened, hooks installed.

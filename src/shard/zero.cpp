@@ -48,7 +48,7 @@ class Zero1Shard {
   // Reduce-scatters the local gradient into the slice's .grad (x 1/N for Mean, see reduction.h).
   void reduce() {
     sample_memory();  // full local gradient and the state of the previous step: the usual peak
-    flat->reduce_grads(comm(), options.reduction, traffic);
+    flat->reduce_grads(comm(), options.reduction(), traffic);
     pending_update = true;  // optimizer.step() comes next
     sample_memory();
   }
@@ -80,8 +80,8 @@ Zero1DataParallel::Zero1DataParallel(const ModuleRef& module, std::shared_ptr<Wo
   s.module = module.module;
   s.world = std::move(world);
   s.options = options;
-  require_mean_or_sum(kWho, options.reduction);
-  s.buffers = BufferSync(set_up_replica(s.comm(), kWho, *s.module), options.broadcast_buffers);
+  require_mean_or_sum(kWho, options.reduction());
+  s.buffers = BufferSync(set_up_replica(s.comm(), kWho, *s.module), options.broadcast_buffers());
   UnitPlan all;
   all.name = "all";
   for (const auto& p : s.module->named_parameters(/*recurse=*/true)) {
@@ -184,7 +184,7 @@ MemoryStats Zero1DataParallel::memory() const {
 
 CommStats Zero1DataParallel::traffic() const { return shard_->traffic; }
 torch::nn::Module& Zero1DataParallel::module() { return *shard_->module; }
-Reduction Zero1DataParallel::reduction() const { return shard_->options.reduction; }
+Reduction Zero1DataParallel::reduction() const { return shard_->options.reduction(); }
 Collectives* Zero1DataParallel::comm() { return &shard_->comm(); }
 
 }  // namespace gradsync

@@ -9,7 +9,7 @@ Usage:
                  [--strategy local|ddp] [--optimizer sgd|adam] [--lr F] [--momentum F]
                  [--weight-decay F] [--loss ce|mse] [--loss-reduction mean|sum]
                  [--steps S | --epochs E] [--seed S] [--shuffle | --no-shuffle]
-                 [--init-state FILE] [--save-state FILE] [--log FILE.jsonl]
+                 [--init-state FILE] [--save-state FILE] [--log FILE.jsonl] [--comm-hook none|fp16]
 
   Multi-rank: gradsync launch -n N -- /usr/bin/python3 torch_train.py ...
           or: torchrun --standalone --nproc_per_node N --no_python /usr/bin/python3 torch_train.py ...
@@ -31,11 +31,17 @@ Semantics (mirrored by the C++ side):
   * --steps S crosses epoch boundaries; --epochs E runs whole epochs; default --epochs 1.
   * --strategy local also uses DistributedSampler(num_replicas=1, rank=0) (so shuffling is the
     sampler's permutation seeded with seed + epoch, not a RandomSampler).
+  * --comm-hook fp16 (--strategy ddp only) registers torch's
+    ddp_comm_hooks.default_hooks.fp16_compress_hook: each gradient bucket (float32, *not* pre-divided
+    by N) is cast to float16, divided by N in float16, all-reduced with SUM in float16 and cast back to
+    float32 into the gradients. --comm-hook none (default) is DDP's own reduction: each gradient times
+    1/N in float32, then a float32 SUM all-reduce. (bf16 is refused: torch 1.13's bf16_compress_hook
+    needs CUDA 11+ and NCCL 2.10+, so it cannot run on gloo/CPU.)
   * log "loss" = sum over the group of float(loss / K'), all_reduce(SUM) / N in float64 (only done when
     --log is given; every rank takes part); "samples" counts DistributedSampler padding repeats too.
 
 Defaults: --strategy ddp, --optimizer sgd, --lr 0.01 (sgd) / 1e-3 (adam), --momentum 0, --weight-decay 0,
---loss ce, --loss-reduction mean, --seed 0, --shuffle, --accumulate 1.
+--loss ce, --loss-reduction mean, --seed 0, --shuffle, --accumulate 1, --comm-hook none.
 
 Data files: inputs of any real dtype, reshaped to float32 [n, IN]. ce: targets must be integer class
 labels [n] in [0, OUT). mse: float targets reshaped to [n, OUT], or integer labels [n] which become
@@ -59,6 +65,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -241,6 +248,8 @@ def build_parser():
     p.add_argument("--init-state", metavar="FILE", help="state dict (torch.save of a dict) to start from")
     p.add_argument("--save-state", metavar="FILE", help="rank 0 saves the final state dict here")
     p.add_argument("--log", metavar="FILE.jsonl", help="rank 0 writes one JSON line per step")
+    p.add_argument("--comm-hook", default="none", metavar="none|fp16",
+                   help="DDP gradient communication hook: none (default) or fp16 (fp16_compress_hook)")
     return p
 
 
@@ -267,6 +276,13 @@ def validate(args, env_world):
         raise UsageError(f"--momentum must be >= 0, got {args.momentum}")
     if not args.weight_decay >= 0.0:
         raise UsageError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.comm_hook == "bf16":
+        raise UsageError("--comm-hook bf16 is not available: torch 1.13's bf16_compress_hook requires CUDA "
+                         "11+ and NCCL 2.10+ and cannot run on the gloo/CPU backend; use none or fp16")
+    if args.comm_hook not in ("none", "fp16"):
+        raise UsageError(f"--comm-hook must be none or fp16, got {args.comm_hook!r}")
+    if args.comm_hook != "none" and args.strategy != "ddp":
+        raise UsageError(f"--comm-hook {args.comm_hook} applies to --strategy ddp only")
     if args.strategy == "local":
         if args.world_size is not None and args.world_size != 1:
             raise UsageError(f"--strategy local is single-process; --world-size {args.world_size} "
@@ -341,6 +357,8 @@ def train(args, world, X, Y, tmpdir):
         rank = dist.get_rank()
         assert dist.get_world_size() == world, (dist.get_world_size(), world)
     model = DistributedDataParallel(module) if ddp else module
+    if ddp and args.comm_hook == "fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     model.train()
 
     optimizer = make_optimizer(args, model.parameters())

@@ -1,5 +1,5 @@
-// Data-set files written by Python's torch.save({"inputs": X, "targets": Y}, path), read with libtorch's
-// pickle_load and validated against the model's sizes and the loss. See data.h.
+// Data-set files written by Python's torch.save({"inputs": X, "targets": Y}, path), read with gradsync's
+// weights-only reader (common/torch_file.h) and validated against the model's sizes and the loss. See data.h.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sys/stat.h>
@@ -105,14 +105,6 @@ c10::IValue unpickle(const std::string& path) {
   } catch (const ConfigError& e) {
     not_a_torch_file(path, e.what());
   } catch (const c10::Error& e) {
-    // torch.save(OrderedDict(...)) (e.g. torch.save(model.state_dict())) fails inside pickle_load.
-    if (std::string(e.what_without_backtrace()).find("Expected GenericDict but got None") !=
-        std::string::npos) {
-      throw ConfigError(fmt::format(
-          "dataset file '{}' holds a dict type libtorch cannot read (an OrderedDict?); save a plain dict: "
-          "torch.save({{\"inputs\": X, \"targets\": Y}}, path)",
-          path));
-    }
     not_a_torch_file(path, first_line(e.what_without_backtrace()));
   } catch (const std::exception& e) {
     not_a_torch_file(path, first_line(e.what()));

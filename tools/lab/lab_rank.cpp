@@ -97,7 +97,7 @@ torch::Tensor fsdp_applied(const LabRankArgs& a, const std::shared_ptr<World>& w
 void measure_fsdp(const LabRankArgs& a, const std::shared_ptr<World>& world, const torch::Tensor& x,
                   const torch::Tensor& y, const std::string& tag, StateDict& out) {
   FsdpOptions options;
-  options.strategy = ShardingStrategy::FullShard;
+  options.strategy(ShardingStrategy::FullShard);
   out.emplace_back(tag + ".fsdp_full", fsdp_applied(a, world, options, [&](FullyShardedDataParallel& fsdp) {
                      torch::nn::functional::cross_entropy(fsdp.forward(x), y).backward();
                    }));
@@ -115,8 +115,8 @@ void measure_fsdp_accumulation(const LabRankArgs& a, const std::shared_ptr<World
   for (const auto& [mode, key] : {std::pair{ShardedAccumulation::UnshardedGradients, ".fsdp_accum_full"},
                                   std::pair{ShardedAccumulation::ReduceEveryMicroStep, ".fsdp_accum_sharded"}}) {
     FsdpOptions options;
-    options.strategy = ShardingStrategy::FullShard;
-    options.accumulation = mode;
+    options.strategy(ShardingStrategy::FullShard);
+    options.accumulation(mode);
     out.emplace_back(tag + key, fsdp_applied(a, world, options, [&](FullyShardedDataParallel& fsdp) {
                        gradsync::accumulate(fsdp, k, [&](int64_t i) {
                          return torch::nn::functional::cross_entropy(fsdp.forward(x.narrow(0, i * b, b)),
@@ -168,7 +168,7 @@ void run_lab_rank(const LabRankArgs& a) {
     measure(ddp, xu, yu, "uneven", out);
     // A separate copy of the model: its own reducer, the same initial state.
     DdpOptions options;
-    options.reduction = Reduction::GlobalMean;
+    options.reduction(Reduction::GlobalMean);
     Ddp global_ddp(lab_model(a.model, a.init_state), world, options);
     global_items = measure_global_mean(global_ddp, xu, yu, "uneven", out);
   }

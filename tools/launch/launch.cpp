@@ -90,7 +90,7 @@ class Launcher {
     for (int r = 0; r < options_.nproc && !exit_code_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
       rank.index = r;
-      rank.name = fmt::format("rank {}", r);
+      rank.name = fmt::format("rank {}", options_.node_rank * options_.nproc + r);
       int err = start_rank(rank, path, options_.command, rank_environment(common, options_, r));
       if (err != 0) on_exec_failure(rank, err, options_.command[0]);
       handle_signals();  // a Ctrl-C during start-up stops the start-up too
@@ -128,7 +128,7 @@ class Launcher {
     err.close_write();
     // mpirun tags its ranks' lines itself (--tag-output).
     const bool tag_here = options_.prefix_output && options_.backend != Backend::Mpi;
-    std::string tag = tag_here ? fmt::format("[rank{}]: ", rank.index) : "";
+    std::string tag = tag_here ? fmt::format("[rank{}]: ", options_.node_rank * options_.nproc + rank.index) : "";
     rank.out.emplace(out.release_read(), STDOUT_FILENO, tag);
     rank.err.emplace(err.release_read(), STDERR_FILENO, tag);
     return child.exec_error;
@@ -287,6 +287,21 @@ void validate(const LaunchOptions& o) {
     throw ConfigError(
         fmt::format("--master-port must be an integer from 0 to 65535 (0: pick a free port), got '{}'",
                     o.master_port));
+  }
+  if (o.nnodes < 1 || o.nnodes > kMaxNproc) {
+    throw ConfigError(fmt::format("--nnodes must be an integer from 1 to {}, got '{}'", kMaxNproc, o.nnodes));
+  }
+  if (o.node_rank < 0 || o.node_rank >= o.nnodes) {
+    throw ConfigError(fmt::format("--node-rank must be an integer from 0 to {} (--nnodes {} launchers), got '{}'",
+                                  o.nnodes - 1, o.nnodes, o.node_rank));
+  }
+  if (o.nnodes > 1 && o.master_port == 0) {
+    throw ConfigError(fmt::format("--nnodes {} needs --master-port: every launcher's ranks meet rank 0's store at "
+                                  "--master-addr:--master-port, so the port must be chosen, not picked", o.nnodes));
+  }
+  if (o.nnodes > 1 && o.backend == Backend::Mpi) {
+    throw ConfigError("--nnodes with --backend mpi: one mpirun starts every node's ranks; give mpirun its hosts "
+                      "(mpirun --host A,B or --hostfile) instead of one launcher per node");
   }
   if (o.master_addr.empty()) {
     throw ConfigError("--master-addr must not be empty; expected a host name or address such as 127.0.0.1");

@@ -18,7 +18,9 @@ namespace gradsync::cli {
 inline constexpr int kMaxNproc = 1024;
 
 struct LaunchOptions {
-  int nproc = 1;                           // 1..kMaxNproc
+  int nproc = 1;                           // ranks on this node, 1..kMaxNproc
+  int nnodes = 1;                          // launchers forming the job (torchrun's --nnodes), one per node
+  int node_rank = 0;                       // this launcher's place: its ranks are node_rank * nproc + local rank
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                     // 0: pick a free port
   std::chrono::milliseconds grace{5000};   // SIGTERM -> SIGKILL grace period

@@ -19,11 +19,16 @@
 namespace gradsync::cli {
 namespace {
 
-constexpr const char* kUsage = "usage: gradsync launch -n N [--master-addr A] [--master-port P] "
-                               "[--grace-period SECONDS] [--no-prefix] [--backend gloo|mpi] -- CMD [ARGS...]";
+constexpr const char* kUsage = "usage: gradsync launch -n N [--nnodes M --node-rank R] [--master-addr A] "
+                               "[--master-port P] [--grace-period SECONDS] [--no-prefix] [--backend gloo|mpi] "
+                               "-- CMD [ARGS...]";
 
 struct CliArgs {
   std::string nproc = "1";
+  std::string nnodes = "1";
+  std::string node_rank = "0";
+  bool standalone = false;
+  bool no_python = false;
   std::string master_addr = "127.0.0.1";
   std::string master_port = "0";
   std::string grace = "5";
@@ -61,6 +66,12 @@ std::chrono::milliseconds parse_seconds(const std::string& text, const char* opt
 LaunchOptions to_options(const CliArgs& a) {
   LaunchOptions o;
   o.nproc = parse_int_in(a.nproc, "-n/--nproc-per-node", 1, kMaxNproc);
+  o.nnodes = parse_int_in(a.nnodes, "--nnodes", 1, kMaxNproc);
+  o.node_rank = parse_int_in(a.node_rank, "--node-rank", 0, o.nnodes - 1,
+                             fmt::format(" (one less than --nnodes {})", o.nnodes).c_str());
+  if (a.standalone && o.nnodes > 1) {
+    throw ConfigError(fmt::format("--standalone is one node; it cannot be combined with --nnodes {}", o.nnodes));
+  }
   o.master_addr = a.master_addr;
   o.master_port = parse_int_in(a.master_port, "--master-port", 0, 65535, " (0: pick a free port)");
   o.grace = parse_seconds(a.grace, "--grace-period");
@@ -77,12 +88,24 @@ void add_launch_command(CLI::App& root, int& exit_code) {
   auto args = std::make_shared<CliArgs>();
   CLI::App* sub = root.add_subcommand(
       "launch",
-      "Run CMD as N local ranks (torchrun --standalone --nproc_per_node N --no_python): sets RANK, WORLD_SIZE, "
-      "LOCAL_RANK, MASTER_ADDR/PORT, GRADSYNC_STORE_FILE, ...; prefixes output with [rank<r>]; stops all ranks "
-      "when one fails and exits with its status. Put `--` before CMD.");
-  sub->add_option("-n,--nproc-per-node", args->nproc, "number of ranks, 1..1024 (default 1)");
-  sub->add_option("--master-addr", args->master_addr, "MASTER_ADDR for the ranks (default 127.0.0.1)");
-  sub->add_option("--master-port", args->master_port, "MASTER_PORT for the ranks, 0..65535 (default 0: a free port)");
+      "Run CMD as N local ranks (torchrun --standalone --nproc_per_node N --no_python), or as this node's N "
+      "ranks of a job of --nnodes launchers: sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, "
+      "GRADSYNC_STORE_FILE (one node), ...; prefixes output with [rank<r>]; stops all ranks when one fails and "
+      "exits with its status. Put `--` before CMD.");
+  // torchrun's spellings (--nproc_per_node, --node_rank, ...) are accepted beside gradsync's.
+  sub->add_option("-n,--nproc-per-node,--nproc_per_node", args->nproc, "ranks on this node, 1..1024 (default 1)");
+  sub->add_option("--nnodes", args->nnodes,
+                  "launchers (nodes) forming one job, 1..1024 (default 1); every launcher needs the same "
+                  "--nnodes, --nproc-per-node, --master-addr and --master-port, and its own --node-rank");
+  sub->add_option("--node-rank,--node_rank", args->node_rank,
+                  "this launcher's node, 0..nnodes-1 (default 0): its ranks are node_rank * nproc_per_node + i");
+  sub->add_option("--master-addr,--master_addr", args->master_addr,
+                  "MASTER_ADDR for the ranks: the host of node 0 (default 127.0.0.1)");
+  sub->add_option("--master-port,--master_port", args->master_port,
+                  "MASTER_PORT for the ranks, 0..65535 (default 0: a free port; required with --nnodes > 1)");
+  sub->add_flag("--standalone", args->standalone, "one node with its own store (torchrun's flag; the default)");
+  sub->add_flag("--no-python,--no_python", args->no_python,
+                "accepted for torchrun compatibility: CMD always runs as given");
   sub->add_option("--grace-period", args->grace, "seconds between SIGTERM and SIGKILL when stopping (default 5)");
   sub->add_flag("--no-prefix", args->no_prefix, "do not prefix output lines with [rank<r>]");
   add_backend_flag(sub, args->backend)

@@ -39,21 +39,29 @@ EnvMap common_environment(const LaunchOptions& o, int port, const std::string& s
   // exist here; without it they use MASTER_ADDR/PORT with rank 0 as the TCPStore server.
   env.erase("TORCHELASTIC_USE_AGENT_STORE");
   env["OMP_NUM_THREADS"] = omp_threads(env, o.nproc);
-  env["WORLD_SIZE"] = env["LOCAL_WORLD_SIZE"] = env["ROLE_WORLD_SIZE"] = std::to_string(o.nproc);
-  env["GROUP_RANK"] = "0";
-  env["GROUP_WORLD_SIZE"] = "1";
+  env["WORLD_SIZE"] = env["ROLE_WORLD_SIZE"] = std::to_string(o.nproc * o.nnodes);
+  env["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc);
+  env["GROUP_RANK"] = std::to_string(o.node_rank);
+  env["GROUP_WORLD_SIZE"] = std::to_string(o.nnodes);
   env["ROLE_NAME"] = "default";
   env["MASTER_ADDR"] = o.master_addr;
   env["MASTER_PORT"] = std::to_string(port);
   env["TORCHELASTIC_RESTART_COUNT"] = "0";
   env["TORCHELASTIC_MAX_RESTARTS"] = "0";
   env["TORCHELASTIC_RUN_ID"] = random_run_id();
-  env["GRADSYNC_STORE_FILE"] = store_file;
+  // One node: a FileStore next to the ranks. Several: rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, which the
+  // other launchers' ranks reach.
+  if (o.nnodes == 1) {
+    env["GRADSYNC_STORE_FILE"] = store_file;
+  } else {
+    env.erase("GRADSYNC_STORE_FILE");
+  }
   return env;
 }
 
-std::vector<std::string> rank_environment(EnvMap env, const LaunchOptions& o, int rank) {
-  env["RANK"] = env["LOCAL_RANK"] = env["ROLE_RANK"] = std::to_string(rank);
+std::vector<std::string> rank_environment(EnvMap env, const LaunchOptions& o, int local_rank) {
+  env["RANK"] = env["ROLE_RANK"] = std::to_string(o.node_rank * o.nproc + local_rank);
+  env["LOCAL_RANK"] = std::to_string(local_rank);
   for (const auto& [name, value] : o.extra_env) env[name] = value;
   return env_entries(env);
 }

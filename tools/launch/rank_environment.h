@@ -16,13 +16,15 @@ bool is_torchrun_variable(const std::string& name);
 // torchrun's rule: OMP_NUM_THREADS as given in `env`, else the cores shared between `nproc` ranks.
 std::string omp_threads(const EnvMap& env, int nproc);
 
-// What every rank shares: this process's environment with WORLD_SIZE, LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE,
+// What every rank of this launcher shares: this process's environment with WORLD_SIZE (nnodes * nproc),
+// LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE,
 // GROUP_RANK, GROUP_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (= `port`), TORCHELASTIC_* (one random
 // run id), OMP_NUM_THREADS (kept if set, else the cores shared between the ranks) and
-// GRADSYNC_STORE_FILE (= `store_file`) set.
+// GRADSYNC_STORE_FILE (= `store_file`, one node only) set.
 EnvMap common_environment(const LaunchOptions& options, int port, const std::string& store_file);
 
-// `common` plus RANK, LOCAL_RANK, ROLE_RANK (= `rank`), then options.extra_env, as execve entries.
-std::vector<std::string> rank_environment(EnvMap common, const LaunchOptions& options, int rank);
+// `common` plus LOCAL_RANK (= `local_rank`), RANK and ROLE_RANK (node_rank * nproc + local_rank), then
+// options.extra_env, as execve entries.
+std::vector<std::string> rank_environment(EnvMap common, const LaunchOptions& options, int local_rank);
 
 }  // namespace gradsync::cli

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include "gradsync/ddp.h"
+#include "gradsync/comm_hook.h"
 #include "gradsync/error.h"
 #include "gradsync/fsdp.h"
 #include "gradsync/local.h"
@@ -25,16 +26,16 @@ ShardingStrategy sharding_of(Strategy strategy) {
 
 FsdpOptions fsdp_options(const TrainConfig& c) {
   FsdpOptions o;
-  o.strategy = sharding_of(c.strategy);
-  o.reduction = parse_reduction(c.reduction);
-  if (!c.wrap.empty()) o.wrap = parse_flag("--wrap", c.wrap, parse_wrap_policy);
-  if (!c.param_dtype.empty()) o.mixed_precision.param_dtype = parse_flag("--param-dtype", c.param_dtype, parse_dtype);
+  o.strategy(sharding_of(c.strategy));
+  o.reduction(parse_reduction(c.reduction));
+  if (!c.wrap.empty()) o.wrap(parse_flag("--wrap", c.wrap, parse_wrap_policy));
+  if (!c.param_dtype.empty()) o.mixed_precision().param_dtype = parse_flag("--param-dtype", c.param_dtype, parse_dtype);
   if (!c.reduce_dtype.empty()) {
-    o.mixed_precision.reduce_dtype = parse_flag("--reduce-dtype", c.reduce_dtype, parse_dtype);
+    o.mixed_precision().reduce_dtype = parse_flag("--reduce-dtype", c.reduce_dtype, parse_dtype);
   }
-  o.accumulation = c.accumulate_grads == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
-                                                   : ShardedAccumulation::UnshardedGradients;
-  o.prefetch = !c.no_prefetch;
+  o.accumulation(c.accumulate_grads == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
+                                                   : ShardedAccumulation::UnshardedGradients);
+  o.prefetch(!c.no_prefetch);
   return o;
 }
 
@@ -51,10 +52,24 @@ void check_fsdp_only_flags(const TrainConfig& c) {
   fsdp_only(c.accumulate_grads != "full", "--accumulate-grads");
 }
 
+// --comm-hook's names (checked by CLI11 and validate_sharding_flags).
+CommHook comm_hook_of(const std::string& name) {
+  if (name == "fp16") return hooks::fp16_compress();
+  if (name == "bf16") return hooks::bf16_compress();
+  return hooks::allreduce();
+}
+
 }  // namespace
 
 void validate_sharding_flags(const TrainConfig& c) {
   check_fsdp_only_flags(c);
+  if (c.comm_hook != "none" && c.strategy != Strategy::Ddp) {
+    throw ConfigError(fmt::format("--comm-hook {} applies to --strategy ddp only (a hook reduces DDP's buckets), "
+                                  "not {}", c.comm_hook, to_string(c.strategy)));
+  }
+  if (c.comm_hook != "none" && c.comm_hook != "allreduce" && c.comm_hook != "fp16" && c.comm_hook != "bf16") {
+    throw ConfigError(fmt::format("--comm-hook {} is not known; expected none, allreduce, fp16 or bf16", c.comm_hook));
+  }
   if (is_fsdp(c.strategy)) fsdp_options(c);  // every flag's value parses
   if (c.accumulate_grads != "full" && c.accumulate_grads != "sharded") {
     throw ConfigError(fmt::format("--accumulate-grads {} is not known; expected full (no_sync: full gradients sum "
@@ -80,11 +95,11 @@ std::unique_ptr<Engine> make_engine(const TrainConfig& c, torch::nn::Sequential 
   switch (c.strategy) {
     case Strategy::Local: return std::make_unique<LocalEngine>(model);
     case Strategy::Ddp: {
-      DdpOptions options;
-      options.reduction = reduction;
-      return std::make_unique<DistributedDataParallel>(model, world, options);
+      auto ddp = std::make_unique<DistributedDataParallel>(model, world, DdpOptions().reduction(reduction));
+      if (c.comm_hook != "none") ddp->register_comm_hook(comm_hook_of(c.comm_hook));
+      return ddp;
     }
-    case Strategy::Zero1: return std::make_unique<Zero1DataParallel>(model, world, ZeroOptions{reduction, true});
+    case Strategy::Zero1: return std::make_unique<Zero1DataParallel>(model, world, ZeroOptions().reduction(reduction));
     default: return std::make_unique<FullyShardedDataParallel>(model, world, fsdp_options(c));
   }
 }

@@ -66,12 +66,19 @@ class StepLog {
   std::ofstream file_;
 };
 
-// Progress on one line when a person is watching (stderr is a terminal, or the parent `train` saw one).
+// Progress on one line when a person is watching (stderr is a terminal, or the parent `train` saw one): the
+// step, the loss, samples per second over the whole job and the time left at that rate.
 class Progress {
  public:
   Progress(bool enabled, int64_t total) : enabled_(enabled), total_(total) {}
   void update(const StepRecord& r) {
-    if (enabled_) fmt::print(stderr, "\rstep {}/{}  epoch {}  loss {:.4f}   ", r.step + 1, total_, r.epoch, r.loss);
+    if (!enabled_) return;
+    seconds_ += r.seconds;
+    samples_ += r.samples;
+    const double rate = seconds_ > 0 ? static_cast<double>(samples_) / seconds_ : 0;
+    const double eta = r.step + 1 > 0 ? seconds_ / static_cast<double>(r.step + 1) * static_cast<double>(total_ - r.step - 1) : 0;
+    fmt::print(stderr, "\rstep {}/{}  epoch {}  loss {:.4f}  {:.0f} samples/s  ETA {:.0f}s   ", r.step + 1, total_,
+               r.epoch, r.loss, rate, eta);
   }
   ~Progress() {
     if (enabled_) fmt::print(stderr, "\n");
@@ -80,6 +87,8 @@ class Progress {
  private:
   bool enabled_;
   int64_t total_;
+  double seconds_ = 0;
+  int64_t samples_ = 0;
 };
 
 int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {

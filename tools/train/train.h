@@ -22,6 +22,7 @@ struct TrainConfig {
   int64_t global_batch = 0;       // samples per optimizer step over all ranks and micro-steps
   int64_t accumulate = 1;         // micro-batches per optimizer step (K)
   int world_size = 0;             // 0: not given (1, or the launcher's WORLD_SIZE)
+  std::string comm_hook = "none";  // ddp: none | allreduce | fp16 | bf16 (gradsync/comm_hook.h)
   bool no_prefetch = false;       // fsdp-full: one unit gathered at a time (FsdpOptions::prefetch = false)
   std::string backend;            // --backend gloo|mpi; "": the launcher's (GRADSYNC_BACKEND, mpi under mpirun)
   Strategy strategy = Strategy::Ddp;

@@ -63,7 +63,7 @@ void add_train_command(CLI::App& root, int& exit_code) {
                   "ranks hold identical parameters (off by default; costs one extra forward/backward of the global "
                   "batch on rank 0)");
   cmd->add_option("--inject-fault", c.inject_fault, "tests only: grad@STEP or diverge@STEP")->group("");
-  cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(dict(model.state_dict()), FILE)");
+  cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(model.state_dict(), FILE) or a gradsync --save-state file");
   cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
   cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)");
@@ -75,6 +75,8 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--accumulate-grads", c.accumulate_grads,
                   "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
                   "(reduce-scatter every micro-step, gradient memory stays 1/N)");
+  cmd->add_option("--comm-hook", c.comm_hook, "ddp: none (default), allreduce, fp16 or bf16 (PyTorch's hooks)")
+      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
   cmd->add_flag("--no-prefetch", c.no_prefetch,
                 "fsdp-full: gather one unit at a time (lowest memory) instead of prefetching the next unit's all-gather");
   cmd->add_flag("--report-memory", c.report_memory,
