@@ -334,7 +334,8 @@ c10::IValue WeightsOnlyUnpickler::rebuild_tensor(const std::vector<c10::IValue>&
 void WeightsOnlyUnpickler::persistent_load() {
   auto pid = pop();
   if (!pid.isTuple() || pid.toTupleRef().elements().size() != 5) fail("has a persistent id that is not a storage");
-  const auto& e = pid.toTupleRef().elements();
+  const std::vector<c10::IValue> e = pid.toTupleRef().elements().vec();  // (a copy: GCC's -Warray-bounds misreads
+                                                                         // the inline small tuple)
   const std::string type = global_name_of(e[1]);
   const auto dtype = storage_types().find(type.substr(type.rfind('.') + 1));
   if (!e[0].isString() || e[0].toStringRef() != "storage" || !e[2].isString() || !e[4].isInt() ||
