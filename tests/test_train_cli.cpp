@@ -1,6 +1,8 @@
 // `gradsync train` end to end: flag validation with clear messages, Python-compatible state files, the JSONL
 // log, and DDP over N self-started ranks equal to one process on the global batch.
 #include <fstream>
+#include <map>
+#include <string>
 
 #include <gtest/gtest.h>
 
@@ -112,4 +114,36 @@ TEST(TrainCli, SelfStartedRanksMatchOneProcess) {
                       quick());
     EXPECT_TRUE(cmp.ok()) << "N=" << n << ": " << cmp.describe();
   }
+}
+
+// --eval: test-split accuracy after every epoch, on stdout, in the summary and the log; evaluation gathers the
+// model without touching the engine, so FSDP reports what DDP reports and training is the same as without it.
+TEST(TrainCli, EvalReportsTestAccuracyPerEpochForDdpAndFsdp) {
+  const std::string dir = t::make_temp_dir("gradsync-eval-");
+  std::map<std::string, std::string> accuracy;
+  for (const std::string strategy : {"ddp", "fsdp-full"}) {
+    auto r = train({"--model", "mlp:784-32-10", "--data", "fashion-mnist", "--global-batch", "600", "--world-size",
+                    "2", "--strategy", strategy, "--epochs", "2", "--lr", "0.1", "--eval", "--log",
+                    dir + "/" + strategy + ".jsonl"});
+    ASSERT_TRUE(r.ok()) << strategy << ": " << r.describe();
+    for (int epoch : {0, 1}) {
+      const std::string tag = "gradsync train: epoch " + std::to_string(epoch) + ": test accuracy ";
+      const auto at = r.out.find(tag);
+      ASSERT_NE(at, std::string::npos) << r.out;
+      EXPECT_NE(r.out.find("/10000)", at), std::string::npos) << "the whole test split is evaluated: " << r.out;
+      const double percent = std::stod(r.out.substr(at + tag.size()));
+      EXPECT_GT(percent, 60.0) << strategy << " epoch " << epoch;
+      EXPECT_LT(percent, 100.0);
+      if (epoch == 1) accuracy[strategy] = r.out.substr(at + tag.size(), r.out.find('\n', at) - at - tag.size());
+    }
+    EXPECT_NE(r.out.find("; test accuracy " + accuracy[strategy].substr(0, accuracy[strategy].find('%') + 1)),
+              std::string::npos) << r.out;
+    std::ifstream log(dir + "/" + strategy + ".jsonl");
+    int lines_with_accuracy = 0;
+    for (std::string line; std::getline(log, line);) lines_with_accuracy += line.find("\"test_accuracy\"") != std::string::npos;
+    EXPECT_EQ(lines_with_accuracy, 2) << strategy;
+  }
+  EXPECT_EQ(accuracy["ddp"], accuracy["fsdp-full"]) << "FSDP trains the same model as DDP";
+  expect_error({"--model", "mlp:8-4-3", "--data", "synthetic:64", "--global-batch", "16", "--eval"},
+               "--eval needs a held-out split: --data synthetic:64 has none; give --eval-data SPEC");
 }

@@ -20,6 +20,7 @@
 #include "launch/launch.h"
 #include "launch/spawn.h"
 #include "train/engine_factory.h"
+#include "train/evaluate.h"
 #include "train/flag.h"
 #include "train/resource_report.h"
 #include "train/schedule.h"
@@ -60,6 +61,11 @@ class StepLog {
     if (r.rss_peak >= 0) line["rss_peak"] = r.rss_peak;
     if (r.sent_bytes >= 0) line["sent_bytes"] = r.sent_bytes;
     file_ << line.dump() << "\n" << std::flush;
+  }
+  // --eval: {"epoch", "step" (the epoch's last), "test_accuracy"} after the epoch's step lines.
+  void write_accuracy(int64_t epoch, int64_t step, double percent) {
+    if (!file_.is_open()) return;
+    file_ << nlohmann::json{{"epoch", epoch}, {"step", step}, {"test_accuracy", percent}}.dump() << "\n" << std::flush;
   }
 
  private:
@@ -143,6 +149,7 @@ void validate(const TrainConfig& c, int world_size) {
                                   c.verify_every));
   }
   if (c.timeout_seconds <= 0) throw ConfigError(fmt::format("--timeout {} is invalid; expected > 0", c.timeout_seconds));
+  eval_data_spec(c);  // --eval has a split to use
 }
 
 namespace {
@@ -151,6 +158,7 @@ namespace {
 struct Run {
   torch::nn::Sequential model;
   Dataset data;
+  Dataset test;  // --eval's split; empty without --eval
   std::unique_ptr<Engine> engine;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   int64_t model_bytes = 0;  // Psi in bytes, measured before an engine re-types parameters (--param-dtype)
@@ -158,10 +166,13 @@ struct Run {
 
 Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   torch::manual_seed(c.seed);
-  Run run{make_model(c.model), {}, nullptr, nullptr, 0};
+  Run run{make_model(c.model), {}, {}, nullptr, nullptr, 0};
   if (!c.init_state.empty()) load_into(*run.model, load_state_dict(c.init_state));
   const auto spec = parse_model_spec(c.model);
   run.data = load_dataset(c.data, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed);
+  if (const auto split = eval_data_spec(c); !split.empty()) {
+    run.test = load_dataset(split, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed + 1);
+  }
   run.model_bytes = parameter_bytes(*run.model);
   run.engine = make_engine(c, run.model, world);
   run.model->train();
@@ -178,6 +189,18 @@ bool reports_resources(const TrainConfig& c) { return is_sharded(c.strategy) || 
   throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
                                 "--accumulate or --world-size so that no micro-batch is degenerate)",
                                 rank, r.step, r.epoch, micro_batch, e.what_without_backtrace()));
+}
+
+// --eval at the end of an epoch: on stdout (rank 0) and in the epoch's last log line.
+void report_accuracy(const TrainConfig& c, Run& run, int64_t epoch, StepRecord& last, StepLog& log,
+                     const std::shared_ptr<World>& world) {
+  const auto accuracy = evaluate(c, *run.engine, run.test, world);
+  last.test_accuracy = accuracy.percent();
+  if ((!world || world->is_main()) && !c.quiet) {
+    fmt::print("gradsync train: epoch {}: test accuracy {:.2f}% ({}/{})\n", epoch, accuracy.percent(),
+               accuracy.correct, accuracy.total);
+  }
+  log.write_accuracy(epoch, last.step, accuracy.percent());
 }
 
 void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records,
@@ -243,6 +266,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
       records.push_back(record);
     }
     if (schedule.steps_per_epoch() == 0) break;
+    if (run.test.size() > 0 && !records.empty()) report_accuracy(c, run, epoch, records.back(), log, world);
   }
   finish(c, run, records, world);
   return records;
@@ -266,8 +290,9 @@ void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records,
     return;
   }
   const auto& last = records.back();
-  fmt::print("gradsync train: {} steps, {} epoch(s), world size {}, {} reduction; final loss {:.6f}{}\n",
+  fmt::print("gradsync train: {} steps, {} epoch(s), world size {}, {} reduction; final loss {:.6f}{}{}\n",
              records.size(), last.epoch + 1, world_size, c.strategy == Strategy::Local ? "no" : c.reduction, last.loss,
+             last.test_accuracy >= 0 ? fmt::format("; test accuracy {:.2f}%", last.test_accuracy) : "",
              c.save_state.empty() ? "" : fmt::format("; state saved to {}", c.save_state));
 }
 

@@ -46,6 +46,8 @@ struct TrainConfig {
   std::string log;
   double timeout_seconds = 1800;  // process-group timeout (PyTorch's default: 30 min)
   bool quiet = false;
+  bool eval = false;              // --eval: test-split accuracy after every epoch (train/evaluate.h)
+  std::string eval_data;          // --eval-data SPEC: the split to evaluate on (implies --eval)
   // Sharded strategies (see engine_factory.h, docs/sharding.md).
   std::string wrap;                       // fsdp-*: children | params:N | list:A,B (default children)
   std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
@@ -63,6 +65,7 @@ struct StepRecord {
   int64_t memory_peak = -1;  // bytes of parameters + gradients + optimizer state at this rank's peak so far
   int64_t sent_bytes = -1;   // bytes this rank sent in the step (see bytes_sent in train.cpp); -1: not reported
   int64_t rss_peak = -1;     // this process's peak resident memory so far (VmHWM); -1: not reported
+  double test_accuracy = -1; // --eval: percent correct on the test split after this step's epoch; -1: none
 };
 
 // Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "launch/backend_flag.h"
+#include "launch/launch.h"
 #include "train/train.h"
 
 namespace gradsync::cli {
@@ -22,6 +23,24 @@ std::vector<std::string> own_arguments() {
   return args;
 }
 
+// The engine's own flags: sharding (fsdp-*), DDP's communication hook, memory reporting.
+void add_engine_options(CLI::App* cmd, TrainConfig& c) {
+  cmd->add_option("--wrap", c.wrap, "fsdp-*: units: children (default), params:N (consecutive children until N "
+                  "parameters) or list:A,B (named children; the rest form the root unit)");
+  cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
+  cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
+  cmd->add_option("--accumulate-grads", c.accumulate_grads,
+                  "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
+                  "(reduce-scatter every micro-step, gradient memory stays 1/N)");
+  cmd->add_option("--comm-hook", c.comm_hook, "ddp: none (default), allreduce, fp16 or bf16 (PyTorch's hooks)")
+      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
+  cmd->add_flag("--no-prefetch", c.no_prefetch,
+                "fsdp-full: gather one unit at a time (lowest memory) instead of prefetching the next unit's all-gather");
+  cmd->add_flag("--report-memory", c.report_memory,
+                "memory (parameters, gradients, optimizer state) and bytes sent per rank in the log and summary "
+                "(always on for sharded strategies)");
+}
+
 }  // namespace
 
 void add_train_command(CLI::App& root, int& exit_code) {
@@ -34,8 +53,10 @@ void add_train_command(CLI::App& root, int& exit_code) {
       ->required();
   cmd->add_option("--global-batch", c.global_batch, "samples per optimizer step over all ranks and micro-steps")
       ->required();
-  cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)");
-  cmd->add_option("--world-size", c.world_size, "ranks; without a launcher, train starts them itself");
+  cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  cmd->add_option("--world-size", c.world_size, "ranks, 1..1024; without a launcher, train starts them itself")
+      ->check(CLI::Range(1, kMaxNproc));
   add_backend_flag(cmd, c.backend);
   cmd->add_option("--strategy", c.strategy,
                   "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
@@ -66,22 +87,12 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(model.state_dict(), FILE) or a gradsync --save-state file");
   cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
   cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
-  cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)");
+  cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)")
+      ->check(CLI::Range(0.001, 86400.0 * 365));
   cmd->add_flag("--quiet", c.quiet, "no summary line");
-  cmd->add_option("--wrap", c.wrap, "fsdp-*: units: children (default), params:N (consecutive children until N "
-                  "parameters) or list:A,B (named children; the rest form the root unit)");
-  cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
-  cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
-  cmd->add_option("--accumulate-grads", c.accumulate_grads,
-                  "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
-                  "(reduce-scatter every micro-step, gradient memory stays 1/N)");
-  cmd->add_option("--comm-hook", c.comm_hook, "ddp: none (default), allreduce, fp16 or bf16 (PyTorch's hooks)")
-      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
-  cmd->add_flag("--no-prefetch", c.no_prefetch,
-                "fsdp-full: gather one unit at a time (lowest memory) instead of prefetching the next unit's all-gather");
-  cmd->add_flag("--report-memory", c.report_memory,
-                "memory (parameters, gradients, optimizer state) and bytes sent per rank in the log and summary "
-                "(always on for sharded strategies)");
+  cmd->add_flag("--eval", c.eval, "after every epoch: accuracy on the test split (fashion-mnist:test)");
+  cmd->add_option("--eval-data", c.eval_data, "the split --eval uses (a data spec; implies --eval)");
+  add_engine_options(cmd, c);
   cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });
 }
 
