@@ -51,10 +51,20 @@ TEST(TrainCli, BadFlagsAreRejectedWithTheValueAndWhatIsAllowed) {
                "--momentum applies to sgd only");
   expect_error(with({"--global-batch", "16", "--strategy", "local", "--world-size", "2"}),
                "--strategy local runs one process");
-  expect_error(with({"--global-batch", "16", "--optimizer", "rmsprop"}), "--optimizer rmsprop is not known");
-  expect_error(with({"--global-batch", "16", "--reduction", "median"}), "reduction 'median' is not known");
+  // Choices and ranges are CLI11 validators: the option, the value and what is allowed.
+  expect_error(with({"--global-batch", "16", "--optimizer", "rmsprop"}), "--optimizer: rmsprop not in {sgd,adam}");
+  expect_error(with({"--global-batch", "16", "--reduction", "median"}), "--reduction: median not in {mean,sum,global-mean}");
+  expect_error(with({"--global-batch", "16", "--loss", "hinge"}), "--loss: hinge not in {ce,mse}");
+  expect_error(with({"--global-batch", "16", "--world-size", "1025"}), "--world-size: Value 1025 not in range 1 to 1024");
+  expect_error(with({"--global-batch", "16", "--accumulate", "0"}), "--accumulate: Value 0 not in range 1 to");
   expect_error(with({"--global-batch", "16", "--steps", "2", "--epochs", "1"}), "excludes");
   expect_error({"--model", "mlp:8-x-3", "--data", "synthetic:64", "--global-batch", "16"}, "'x' is not a positive");
+}
+
+TEST(TrainCli, VersionNamesThePackageVersion) {
+  auto r = t::run({GRADSYNC_BIN, "--version"}, quick());
+  ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_EQ(r.out, "gradsync 0.2.0\n");
 }
 
 TEST(TrainCli, InitStateMismatchListsTheKeys) {

@@ -11,7 +11,8 @@ Usage: check_package.py BUILD_DIR SOURCE_DIR
    `torchrun --no_python` and under `mpirun -np 2`; every 2-rank result must equal the one-process result
    (tests/reference/compare_states.py, rtol 1e-5) and every saved file must load with
    torch.load(f, weights_only=True);
-4. checks that pkg-config finds gradsync.pc and that its flags name the installed library.
+4. checks that pkg-config finds gradsync.pc, that its flags name the installed library, and that
+   `g++ main.cpp $(pkg-config --cflags --libs gradsync)` builds the same program, which then runs.
 Exit 0 when everything holds; 1 with the failing step's output otherwise. Every step has a timeout.
 """
 import os
@@ -92,6 +93,11 @@ def main():
         wanted = {os.path.realpath(os.path.join(prefix, d)) for d in ("lib", "include")}
         if not wanted <= dirs or "-lgradsync" not in flags.split():
             sys.exit(f"FAIL pkg-config: flags do not name the installed gradsync ({sorted(wanted)}): {flags}")
+        # docs/api.md's pkg-config line, as written there: the program builds and runs as one process.
+        pc_exe = os.path.join(tmp, "my_trainer_pc")
+        run(["g++", "-O2", os.path.join(app, "main.cpp"), "-o", pc_exe] + flags.split(), "build with pkg-config",
+            env=env)
+        print(run([pc_exe, os.path.join(tmp, "pc.pt")], "the pkg-config build runs"), end="")
         print("package: installed, built outside the tree, 3 launchers equal one process")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -62,15 +62,17 @@ void add_train_command(CLI::App& root, int& exit_code) {
                   "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
                   "fsdp-no-shard or zero1 (see docs/sharding.md)")
       ->transform(CLI::CheckedTransformer(strategy_names(), CLI::ignore_case).description(""));
-  cmd->add_option("--optimizer", c.optimizer, "sgd or adam");
+  cmd->add_option("--optimizer", c.optimizer, "sgd or adam")->check(CLI::IsMember({"sgd", "adam"}));
   cmd->add_option("--lr", c.lr, "learning rate (default 0.01 for sgd, 1e-3 for adam)");
   cmd->add_option("--momentum", c.momentum, "sgd momentum (default 0)");
   cmd->add_option("--weight-decay", c.weight_decay, "L2 weight decay (default 0)");
-  cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse");
-  cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples");
+  cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse")->check(CLI::IsMember({"ce", "mse"}));
+  cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples")
+      ->check(CLI::IsMember({"mean", "sum"}));
   cmd->add_option("--reduction", c.reduction,
                   "mean (PyTorch DDP: 1/N of the sum), sum, or global-mean (1/T of the sum of per-sample gradients, "
-                  "T = samples in the step over all ranks and micro-batches)");
+                  "T = samples in the step over all ranks and micro-batches)")
+      ->check(CLI::IsMember({"mean", "sum", "global-mean"}));
   auto* steps = cmd->add_option("--steps", c.steps, "optimizer steps in total (crossing epochs)");
   auto* epochs = cmd->add_option("--epochs", c.epochs, "whole epochs (default 1)");
   steps->excludes(epochs);
