@@ -26,6 +26,7 @@
 #include "data/models.h"
 #include "launch/spawn.h"
 #include "gradsync/error.h"
+#include "gradsync/state_dict.h"
 
 namespace {
 
@@ -223,6 +224,14 @@ TEST(ModelSpec, InputAndOutputSizes) {
   const auto spec = gradsync::cli::parse_model_spec("mlp-bn:12-5-4-3");
   EXPECT_TRUE(spec.batch_norm);
   EXPECT_EQ(spec.sizes, (std::vector<int64_t>{12, 5, 4, 3}));
+  // cnn:C1-C2-OUT reads flattened 28x28 images; its keys are Python's nn.Sequential indices.
+  EXPECT_EQ(gradsync::cli::model_input_size("cnn:32-64-10"), 784);
+  EXPECT_EQ(gradsync::cli::model_output_size("cnn:32-64-10"), 10);
+  auto cnn = make_model("cnn:4-8-10");
+  std::vector<std::string> keys;
+  for (const auto& [name, t] : gradsync::state_dict(*cnn)) keys.push_back(name);
+  EXPECT_EQ(keys, (std::vector<std::string>{"1.weight", "1.bias", "4.weight", "4.bias", "8.weight", "8.bias"}));
+  EXPECT_EQ(cnn->forward(torch::zeros({5, 784})).sizes(), (std::vector<int64_t>{5, 10}));
 }
 
 TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
@@ -243,7 +252,9 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
       {"mlp", "missing ':'"},
       {"784-10", "missing ':'"},
       {"", "missing ':'"},
-      {"cnn:784-10", "unknown model kind 'cnn'"},
+      {"cnn:784-10", "cnn takes exactly three sizes (channels C1, C2 and outputs), got 2"},
+      {"cnn:4-8-0", "'0' is not a positive integer"},
+      {"conv:4-8-10", "unknown model kind 'conv'"},
       {"MLP:784-10", "unknown model kind 'MLP'"},
       {"mlp:99999999999999999999-10", "too large"},
   };
@@ -251,7 +262,7 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
     SCOPED_TRACE("spec '" + c.spec + "'");
     const std::string msg = error_of<gradsync::ConfigError>([&] { make_model(c.spec); });
     EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
-    EXPECT_NE(msg.find("expected mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT or cnn:C1-C2-OUT"), std::string::npos) << msg;
     error_of<gradsync::ConfigError>([&] { gradsync::cli::model_input_size(c.spec); });
     error_of<gradsync::ConfigError>([&] { gradsync::cli::model_output_size(c.spec); });
   }

@@ -114,7 +114,9 @@ INSTANTIATE_TEST_SUITE_P(
                    {"--momentum", "0.5", "--steps", "6", "--no-shuffle"}},
         // PyTorch's fp16_compress_hook: half-precision buckets, divided and summed in float16.
         ParityCase{"N2_K2_fp16_comm_hook", "mlp:10-16-4", "ce", 96, 2, 2, 16,
-                   {"--comm-hook", "fp16", "--momentum", "0.9", "--epochs", "2"}}),
+                   {"--comm-hook", "fp16", "--momentum", "0.9", "--epochs", "2"}},
+        // cnn:C1-C2-OUT (Conv2d, ReLU, MaxPool2d twice, then Linear) on flattened 28x28 inputs.
+        ParityCase{"N3_K1_cnn_sgd_momentum", "cnn:4-6-10", "ce", 60, 3, 1, 12, {"--momentum", "0.9", "--steps", "5"}}),
     [](const testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
 // The test can fail: gradsync with Reduction::Sum must NOT match PyTorch DDP (which averages).

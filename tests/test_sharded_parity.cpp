@@ -119,5 +119,8 @@ INSTANTIATE_TEST_SUITE_P(
                            {"--strategy", "zero1"}}},
         ShardedParityCase{"N2_K1_sgd_mse", "mlp:10-12-8-3", "mse", 100, 2, 1, 16,
                           {"--momentum", "0.9", "--epochs", "2"},
-                          {{"--strategy", "fsdp-full", "--wrap", "list:0,4"}, {"--strategy", "zero1"}}}),
+                          {{"--strategy", "fsdp-full", "--wrap", "list:0,4"}, {"--strategy", "zero1"}}},
+        // A convolutional network (cnn:C1-C2-OUT): units are its two Conv2d and its Linear.
+        ShardedParityCase{"N2_K2_cnn_adam", "cnn:3-5-10", "ce", 48, 2, 2, 16, {"--optimizer", "adam", "--steps", "5"},
+                          {{"--strategy", "fsdp-full"}, {"--strategy", "fsdp-grad-op"}, {"--strategy", "zero1"}}}),
     [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });

@@ -17,6 +17,8 @@ Usage:
 
 Model specs:  mlp:IN-H1-...-OUT     Linear, ReLU, ..., Linear
               mlp-bn:IN-H1-...-OUT  Linear, BatchNorm1d, ReLU per hidden layer, final Linear
+              cnn:C1-C2-OUT         Unflatten(1,(1,28,28)), Conv2d(1,C1,3,p=1), ReLU, MaxPool2d(2),
+                                    Conv2d(C1,C2,3,p=1), ReLU, MaxPool2d(2), Flatten, Linear(C2*49,OUT)
 Data specs:   fashion-mnist[:train|:test]   ($GRADSYNC_FASHION_MNIST_DIR overrides the directory)
               synthetic:N                    (generator recipe in load_synthetic)
               PATH                           torch.save({"inputs": X, "targets": Y}, PATH)
@@ -72,7 +74,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 PROG = "torch_train.py"
 DEFAULT_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn):([0-9]+(?:-[0-9]+)+)$")
+MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn|cnn):([0-9]+(?:-[0-9]+)+)$")
 
 
 class UsageError(Exception):
@@ -83,21 +85,35 @@ class UsageError(Exception):
 # Models
 # ---------------------------------------------------------------------------------------------------
 def parse_model_spec(spec):
-    """'mlp:8-16-4' -> (batch_norm=False, [8, 16, 4]). Raises UsageError on a malformed spec."""
+    """'mlp:8-16-4' -> (batch_norm=False, [8, 16, 4]); 'cnn:C1-C2-OUT' -> (False, [784, C1, C2, OUT]).
+    Raises UsageError on a malformed spec."""
     m = MODEL_SPEC_RE.match(spec or "")
     if not m:
         raise UsageError(
-            f"model spec {spec!r} is malformed; expected mlp:IN-H1-...-OUT or mlp-bn:IN-H1-...-OUT "
-            f"with at least IN and OUT, all positive integers (e.g. mlp:784-256-10)")
+            f"model spec {spec!r} is malformed; expected mlp:IN-H1-...-OUT, mlp-bn:IN-H1-...-OUT or "
+            f"cnn:C1-C2-OUT, all positive integers (e.g. mlp:784-256-10)")
     sizes = [int(s) for s in m.group(2).split("-")]
     if any(s <= 0 for s in sizes):
         raise UsageError(f"model spec {spec!r}: every layer size must be > 0, got {sizes}")
+    if m.group(1) == "cnn":
+        if len(sizes) != 3:
+            raise UsageError(f"model spec {spec!r}: cnn takes exactly C1-C2-OUT")
+        sizes = [28 * 28] + sizes
     return m.group(1) == "mlp-bn", sizes
+
+
+def build_cnn(c1, c2, out):
+    """cnn:C1-C2-OUT on flattened 28x28 single-channel images (keys 1.*, 4.*, 8.*)."""
+    return nn.Sequential(nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(c2 * 7 * 7, out))
 
 
 def build_model(spec):
     """nn.Sequential with state-dict keys '0.weight', '1.running_mean', ... (see module docstring)."""
     batch_norm, sizes = parse_model_spec(spec)
+    if spec.startswith("cnn:"):
+        return build_cnn(*sizes[1:])
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))

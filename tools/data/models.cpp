@@ -10,7 +10,8 @@
 namespace gradsync::cli {
 namespace {
 
-constexpr const char* kAllowedSpecs = "expected mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT";
+constexpr const char* kAllowedSpecs = "expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT or cnn:C1-C2-OUT";
+constexpr int64_t kImageSide = 28;  // cnn: Fashion-MNIST's single-channel 28x28 images, flattened
 
 [[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
   throw ConfigError(fmt::format("model spec '{}': {}; {}", spec, why, kAllowedSpecs));
@@ -45,8 +46,10 @@ ModelSpec parse_model_spec(const std::string& spec) {
     out.batch_norm = false;
   } else if (kind == "mlp-bn") {
     out.batch_norm = true;
+  } else if (kind == "cnn") {
+    out.cnn = true;
   } else {
-    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn)", kind));
+    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn, cnn)", kind));
   }
   const std::string sizes = spec.substr(colon + 1);
   if (sizes.empty()) bad_spec(spec, "no layer sizes after ':'");
@@ -59,17 +62,40 @@ ModelSpec parse_model_spec(const std::string& spec) {
     if (dash == std::string::npos) break;
     start = dash + 1;
   }
+  if (out.cnn) {
+    if (out.sizes.size() != 3) {
+      bad_spec(spec, fmt::format("cnn takes exactly three sizes (channels C1, C2 and outputs), got {}",
+                                 out.sizes.size()));
+    }
+    out.sizes.insert(out.sizes.begin(), kImageSide * kImageSide);
+  }
   if (out.sizes.size() < 2) {
     bad_spec(spec, fmt::format("got {} layer size, need at least two (input and output)", out.sizes.size()));
   }
   return out;
 }
 
+namespace {
+
+// Python: nn.Sequential(nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, C1, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+// nn.Conv2d(C1, C2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(C2 * 7 * 7, OUT)).
+torch::nn::Sequential make_cnn(int64_t c1, int64_t c2, int64_t out) {
+  namespace nn = torch::nn;
+  const int64_t pooled = kImageSide / 4;
+  return nn::Sequential(nn::Unflatten(nn::UnflattenOptions(1, {1, kImageSide, kImageSide})),
+                        nn::Conv2d(nn::Conv2dOptions(1, c1, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),
+                        nn::Conv2d(nn::Conv2dOptions(c1, c2, 3).padding(1)), nn::ReLU(), nn::MaxPool2d(2),
+                        nn::Flatten(), nn::Linear(c2 * pooled * pooled, out));
+}
+
+}  // namespace
+
 torch::nn::Sequential make_model(const ModelSpec& spec) {
   if (spec.sizes.size() < 2) {
     throw ConfigError(
         fmt::format("model spec has {} layer sizes, need at least two (input and output)", spec.sizes.size()));
   }
+  if (spec.cnn) return make_cnn(spec.sizes[1], spec.sizes[2], spec.sizes[3]);
   torch::nn::Sequential model;
   const std::size_t layers = spec.sizes.size() - 1;
   for (std::size_t i = 0; i < layers; ++i) {

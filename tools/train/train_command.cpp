@@ -47,7 +47,8 @@ void add_train_command(CLI::App& root, int& exit_code) {
   auto config = std::make_shared<TrainConfig>();
   auto* cmd = root.add_subcommand("train", "Train a model locally or data-parallel (the PyTorch DDP recipe, in C++)");
   auto& c = *config;
-  cmd->add_option("--model", c.model, "mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT (Linear, BatchNorm1d, ReLU per hidden layer)")
+  cmd->add_option("--model", c.model, "mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT (BatchNorm1d per hidden layer) or "
+                  "cnn:C1-C2-OUT (two Conv2d+ReLU+MaxPool2d, then Linear, on 28x28 images)")
       ->required();
   cmd->add_option("--data", c.data, "fashion-mnist, synthetic:N, or a file from torch.save({'inputs': X, 'targets': Y})")
       ->required();
