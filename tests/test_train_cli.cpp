@@ -57,6 +57,14 @@ TEST(TrainCli, BadFlagsAreRejectedWithTheValueAndWhatIsAllowed) {
   expect_error(with({"--global-batch", "16", "--loss", "hinge"}), "--loss: hinge not in {ce,mse}");
   expect_error(with({"--global-batch", "16", "--world-size", "1025"}), "--world-size: Value 1025 not in range 1 to 1024");
   expect_error(with({"--global-batch", "16", "--accumulate", "0"}), "--accumulate: Value 0 not in range 1 to");
+  // Numbers must be finite (inf and nan would train to nan or break every deadline), files usable up front.
+  expect_error(with({"--global-batch", "16", "--lr", "inf"}), "--lr inf is invalid; expected a finite number > 0");
+  expect_error(with({"--global-batch", "16", "--weight-decay", "inf"}),
+               "--weight-decay inf is invalid; expected a finite number >= 0");
+  expect_error(with({"--global-batch", "16", "--timeout", "nan"}), "--timeout nan is invalid");
+  expect_error(with({"--global-batch", "16", "--init-state", "/tmp"}), "cannot open state file '/tmp': it is a directory");
+  expect_error(with({"--global-batch", "16", "--save-state", "/nonexistent-dir/x.pt"}),
+               "--save-state /nonexistent-dir/x.pt: its directory '/nonexistent-dir' is not writable");
   expect_error(with({"--global-batch", "16", "--steps", "2", "--epochs", "1"}), "excludes");
   expect_error({"--model", "mlp:8-x-3", "--data", "synthetic:64", "--global-batch", "16"}, "'x' is not a positive");
 }

@@ -1,6 +1,8 @@
 // State dicts with Python's keys and Python-readable files (see state_dict.h).
 #include "gradsync/state_dict.h"
 
+#include <sys/stat.h>
+
 #include <cerrno>
 #include <cstring>
 #include <fstream>
@@ -50,6 +52,10 @@ c10::IValue unpickle_torch_zip(const std::vector<char>& bytes) { return decode_t
 
 c10::IValue read_torch_file(const std::string& path, const std::string& kind, const std::string& hint) {
   const std::string advice = hint.empty() ? "" : "; " + hint;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    throw ConfigError(fmt::format("cannot open {} '{}': it is a directory{}", kind, path, advice));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ConfigError(fmt::format("cannot open {} '{}': {}{}", kind, path, std::strerror(errno), advice));
   std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -5,6 +5,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -97,6 +100,27 @@ class Progress {
   int64_t samples_ = 0;
 };
 
+constexpr double kMaxTimeoutSeconds = 86400.0 * 365;
+
+// A number flag must be finite (inf and nan train to nan or break deadlines) and above its bound.
+void check_finite_at_least(const char* flag, double value, double bound, bool strict) {
+  if (!std::isfinite(value) || value < bound || (strict && value == bound)) {
+    throw ConfigError(fmt::format("{} {} is invalid; expected a finite number {} {}", flag, value,
+                                  strict ? ">" : ">=", bound));
+  }
+}
+
+// An output file's directory must exist and be writable before training starts, not after it.
+void check_output_directory(const char* flag, const std::string& path) {
+  if (path.empty()) return;
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  if (access(dir.c_str(), W_OK | X_OK) != 0) {
+    throw ConfigError(fmt::format("{} {}: its directory '{}' is not writable: {}", flag, path, dir,
+                                  std::strerror(errno)));
+  }
+}
+
 int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
   if (c.steps) return *c.steps;
   return c.epochs.value_or(1) * steps_per_epoch;
@@ -119,9 +143,9 @@ void validate(const TrainConfig& c, int world_size) {
   if (c.optimizer == "adam" && c.momentum) {
     throw ConfigError("--momentum applies to sgd only; adam's moments are betas (0.9, 0.999)");
   }
-  if (c.lr && !(*c.lr > 0)) throw ConfigError(fmt::format("--lr {} is invalid; expected > 0", *c.lr));
-  if (c.momentum && *c.momentum < 0) throw ConfigError(fmt::format("--momentum {} is invalid; expected >= 0", *c.momentum));
-  if (c.weight_decay < 0) throw ConfigError(fmt::format("--weight-decay {} is invalid; expected >= 0", c.weight_decay));
+  if (c.lr) check_finite_at_least("--lr", *c.lr, 0, /*strict=*/true);
+  if (c.momentum) check_finite_at_least("--momentum", *c.momentum, 0, false);
+  check_finite_at_least("--weight-decay", c.weight_decay, 0, false);
   if (c.loss_reduction != "mean" && c.loss_reduction != "sum") {
     throw ConfigError(fmt::format("--loss-reduction {} is not known; expected mean or sum", c.loss_reduction));
   }
@@ -148,7 +172,13 @@ void validate(const TrainConfig& c, int world_size) {
     throw ConfigError(fmt::format("--verify-every {} is invalid; expected >= 0, with a data-parallel strategy",
                                   c.verify_every));
   }
-  if (c.timeout_seconds <= 0) throw ConfigError(fmt::format("--timeout {} is invalid; expected > 0", c.timeout_seconds));
+  check_finite_at_least("--timeout", c.timeout_seconds, 0, true);
+  if (c.timeout_seconds > kMaxTimeoutSeconds) {
+    throw ConfigError(fmt::format("--timeout {} is invalid; expected at most {} seconds (a year)", c.timeout_seconds,
+                                  kMaxTimeoutSeconds));
+  }
+  check_output_directory("--save-state", c.save_state);
+  check_output_directory("--log", c.log);
   eval_data_spec(c);  // --eval has a split to use
 }
 
