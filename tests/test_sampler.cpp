@@ -345,6 +345,23 @@ struct IndexDataset : torch::data::datasets::Dataset<IndexDataset> {
 
 using Batches = std::vector<Indices>;  // one epoch's batches
 
+// Every batch a loader yields for `sampler`, epochs first..last-1 (set_epoch(e) on the caller's sampler: the loader
+// owns a copy).
+template <typename Loader>
+std::vector<Batches> epochs_of(Loader& loader, DistributedSampler& sampler, int64_t first, int64_t last) {
+  std::vector<Batches> out;
+  for (int64_t e = first; e < last; ++e) {
+    sampler.set_epoch(e);
+    Batches epoch;
+    for (auto& b : loader) {
+      const torch::Tensor flat = b.data.flatten().contiguous();
+      epoch.emplace_back(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
+    }
+    out.push_back(epoch);
+  }
+  return out;
+}
+
 // The loader's batches over `epochs` epochs, set_epoch(e) called on the caller's sampler (the loader owns a copy).
 std::vector<Batches> loader_epochs(int64_t n, int64_t replicas, int64_t rank, uint64_t seed, bool shuffle,
                                    bool drop_last, int64_t batch, int64_t epochs, size_t workers) {
@@ -352,17 +369,7 @@ std::vector<Batches> loader_epochs(int64_t n, int64_t replicas, int64_t rank, ui
   auto loader = torch::data::make_data_loader(IndexDataset(n).map(torch::data::transforms::Stack<>()), sampler,
                                               torch::data::DataLoaderOptions(static_cast<size_t>(batch))
                                                   .workers(workers));
-  std::vector<Batches> out;
-  for (int64_t e = 0; e < epochs; ++e) {
-    sampler.set_epoch(e);
-    Batches epoch;
-    for (auto& b : *loader) {
-      auto flat = b.data.flatten().contiguous();
-      epoch.emplace_back(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
-    }
-    out.push_back(epoch);
-  }
-  return out;
+  return epochs_of(*loader, sampler, 0, epochs);
 }
 
 }  // namespace
@@ -428,16 +435,7 @@ TEST(Sampler, SavedPositionResumesMidEpochInANewLoader) {
   resumed.load(archive);
   auto loader = torch::data::make_data_loader(IndexDataset(50).map(torch::data::transforms::Stack<>()), resumed,
                                               torch::data::DataLoaderOptions(4));
-  std::vector<Batches> got;
-  for (int64_t e = 1; e < 3; ++e) {
-    resumed.set_epoch(e);
-    Batches epoch;
-    for (auto& b : *loader) {
-      auto flat = b.data.flatten().contiguous();
-      epoch.emplace_back(flat.data_ptr<int64_t>(), flat.data_ptr<int64_t>() + flat.numel());
-    }
-    got.push_back(epoch);
-  }
+  const auto got = epochs_of(*loader, resumed, 1, 3);
   EXPECT_EQ(got[0], Batches(full[1].begin() + 3, full[1].end()));
   EXPECT_EQ(got[1], full[2]);
   // A position saved for another configuration is refused, naming the field.

@@ -102,10 +102,7 @@ size_t DistributedDataParallel::bucket_count() const { return reducer_->buckets.
 
 std::vector<std::vector<std::string>> DistributedDataParallel::bucket_parameter_names() const {
   std::vector<std::vector<std::string>> out;
-  for (const auto& bucket : reducer_->buckets) {
-    out.emplace_back();
-    for (size_t i : bucket.params) out.back().push_back(reducer_->names[i]);
-  }
+  for (size_t b = 0; b < reducer_->buckets.size(); ++b) out.push_back(reducer_->bucket_names(b));
   return out;
 }
 

@@ -97,9 +97,14 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+std::vector<std::string> Reducer::bucket_names(size_t bucket) const {
+  std::vector<std::string> out;
+  for (size_t p : buckets[bucket].params) out.push_back(names[p]);
+  return out;
+}
+
 PendingWork Reducer::run_comm_hook(size_t index) {
-  GradBucket view{index, index + 1 == buckets.size(), buckets[index].flat, divisor(), {}};
-  for (size_t p : buckets[index].params) view.parameter_names.push_back(names[p]);
+  GradBucket view{index, index + 1 == buckets.size(), buckets[index].flat, divisor(), bucket_names(index)};
   return comm_hook(world->comm(), view);
 }
 

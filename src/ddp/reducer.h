@@ -75,6 +75,7 @@ class Reducer {
   void after_forward();
   void join_backward();
   void mark_ready(size_t index, const std::weak_ptr<Reducer>& self);
+  std::vector<std::string> bucket_names(size_t bucket) const;  // its parameters' names, in bucket order
   void sample_memory() const;
 
  private:

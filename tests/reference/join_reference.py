@@ -59,7 +59,6 @@ starts, so every rank fails the same way).
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 
@@ -70,8 +69,8 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torch_train import (UsageError, build_model, env_world_size, load_dataset_file,  # noqa: E402
-                         parse_model_spec)
+from torch_train import (UsageError, build_model, env_world_size, exit_without_destructors,  # noqa: E402
+                         load_dataset_file, parse_model_spec, set_up_torch)
 
 PROG = "join_reference.py"
 
@@ -187,21 +186,13 @@ def run(args, counts, X, Y, module, tmpdir):
         raise UsageError(save_error)
     if rank == 0:
         print(json.dumps({"steps": counts, "divide_by_initial_world_size": flag}), flush=True)
-    # torch 1.13 can deadlock when the DDP Reducer is destroyed at exit: ~ProcessGroupGloo joins a worker thread
-    # that waits for the GIL the destroying main thread holds (seen under load with Join's pending work). All
-    # results are written; leave without running destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    shutil.rmtree(tmpdir, ignore_errors=True)
-    os._exit(0)
+    exit_without_destructors(tmpdir)  # Join's pending work
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else 1)
-    torch.use_deterministic_algorithms(True)
+    set_up_torch()
     try:
         env_world = env_world_size()
         counts = validate(args, 1 if env_world is None else env_world)

@@ -447,22 +447,31 @@ def train(args, world, X, Y, tmpdir):
     if ddp:
         dist.barrier()
         dist.destroy_process_group()
-        if args.comm_hook != "none":
-            # torch 1.13 can deadlock when the DDP Reducer is destroyed at exit with a Python comm hook: the hook's
-            # future callbacks run on a Gloo thread that needs the GIL the destroying main thread holds. Everything
-            # is written; leave without running destructors.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            shutil.rmtree(tmpdir, ignore_errors=True)
-            os._exit(0)
+        if args.comm_hook != "none":  # its Python callbacks run on Gloo threads
+            exit_without_destructors(tmpdir)
+
+
+def exit_without_destructors(tmpdir):
+    """Leaves the process once everything is written, without running destructors: torch 1.13 can deadlock
+    when the DDP Reducer is destroyed at exit (~ProcessGroupGloo joins a Gloo thread that waits for the GIL the
+    destroying main thread holds; seen under load with a Python comm hook and with Join's pending work)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    os._exit(0)
+
+
+def set_up_torch():
+    """OMP_NUM_THREADS torch threads (1 when unset or invalid) and deterministic algorithms."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else 1)
+    torch.use_deterministic_algorithms(True)
 
 
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    omp = os.environ.get("OMP_NUM_THREADS", "")
-    torch.set_num_threads(int(omp) if omp.isdigit() and int(omp) > 0 else 1)
-    torch.use_deterministic_algorithms(True)
+    set_up_torch()
     try:
         world = validate(args, env_world_size())
     except UsageError as e:

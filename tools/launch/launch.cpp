@@ -90,7 +90,7 @@ class Launcher {
     for (int r = 0; r < options_.nproc && !exit_code_; ++r) {
       Rank& rank = ranks_[static_cast<size_t>(r)];
       rank.index = r;
-      rank.name = fmt::format("rank {}", options_.node_rank * options_.nproc + r);
+      rank.name = fmt::format("rank {}", global_rank(options_, r));
       int err = start_rank(rank, path, options_.command, rank_environment(common, options_, r));
       if (err != 0) on_exec_failure(rank, err, options_.command[0]);
       handle_signals();  // a Ctrl-C during start-up stops the start-up too
@@ -128,7 +128,7 @@ class Launcher {
     err.close_write();
     // mpirun tags its ranks' lines itself (--tag-output).
     const bool tag_here = options_.prefix_output && options_.backend != Backend::Mpi;
-    std::string tag = tag_here ? fmt::format("[rank{}]: ", options_.node_rank * options_.nproc + rank.index) : "";
+    std::string tag = tag_here ? fmt::format("[rank{}]: ", global_rank(options_, rank.index)) : "";
     rank.out.emplace(out.release_read(), STDOUT_FILENO, tag);
     rank.err.emplace(err.release_read(), STDERR_FILENO, tag);
     return child.exec_error;

@@ -30,6 +30,9 @@ struct LaunchOptions {
   std::vector<std::pair<std::string, std::string>> extra_env;  // set last: overrides everything else
 };
 
+// The job-wide RANK of this launcher's local rank `local_rank`.
+inline int global_rank(const LaunchOptions& o, int local_rank) { return o.node_rank * o.nproc + local_rank; }
+
 // Throws gradsync::ConfigError naming the offending option, its value and what is allowed.
 void validate(const LaunchOptions& options);
 

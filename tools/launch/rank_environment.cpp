@@ -60,7 +60,7 @@ EnvMap common_environment(const LaunchOptions& o, int port, const std::string& s
 }
 
 std::vector<std::string> rank_environment(EnvMap env, const LaunchOptions& o, int local_rank) {
-  env["RANK"] = env["ROLE_RANK"] = std::to_string(o.node_rank * o.nproc + local_rank);
+  env["RANK"] = env["ROLE_RANK"] = std::to_string(global_rank(o, local_rank));
   env["LOCAL_RANK"] = std::to_string(local_rank);
   for (const auto& [name, value] : o.extra_env) env[name] = value;
   return env_entries(env);

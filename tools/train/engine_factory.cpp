@@ -1,6 +1,8 @@
 // From --strategy to an engine (see engine_factory.h).
 #include "train/engine_factory.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -52,7 +54,7 @@ void check_fsdp_only_flags(const TrainConfig& c) {
   fsdp_only(c.accumulate_grads != "full", "--accumulate-grads");
 }
 
-// --comm-hook's names (checked by CLI11 and validate_sharding_flags).
+// One of comm_hook_names() but "none" (checked by CLI11 and validate_sharding_flags).
 CommHook comm_hook_of(const std::string& name) {
   if (name == "fp16") return hooks::fp16_compress();
   if (name == "bf16") return hooks::bf16_compress();
@@ -61,14 +63,21 @@ CommHook comm_hook_of(const std::string& name) {
 
 }  // namespace
 
+const std::vector<std::string>& comm_hook_names() {
+  static const std::vector<std::string> names{"none", "allreduce", "fp16", "bf16"};
+  return names;
+}
+
 void validate_sharding_flags(const TrainConfig& c) {
   check_fsdp_only_flags(c);
   if (c.comm_hook != "none" && c.strategy != Strategy::Ddp) {
     throw ConfigError(fmt::format("--comm-hook {} applies to --strategy ddp only (a hook reduces DDP's buckets), "
                                   "not {}", c.comm_hook, to_string(c.strategy)));
   }
-  if (c.comm_hook != "none" && c.comm_hook != "allreduce" && c.comm_hook != "fp16" && c.comm_hook != "bf16") {
-    throw ConfigError(fmt::format("--comm-hook {} is not known; expected none, allreduce, fp16 or bf16", c.comm_hook));
+  const auto& hooks = comm_hook_names();
+  if (std::find(hooks.begin(), hooks.end(), c.comm_hook) == hooks.end()) {
+    throw ConfigError(fmt::format("--comm-hook {} is not known; expected one of {}", c.comm_hook,
+                                  fmt::join(hooks, ", ")));
   }
   if (is_fsdp(c.strategy)) fsdp_options(c);  // every flag's value parses
   if (c.accumulate_grads != "full" && c.accumulate_grads != "sharded") {

@@ -3,6 +3,7 @@
 #pragma once
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -16,6 +17,9 @@ struct TrainConfig;
 // Checks --wrap, --param-dtype, --reduce-dtype, --accumulate-grads against the strategy and what a sharded
 // strategy cannot do (ConfigError naming the flag). Called by validate() for every strategy.
 void validate_sharding_flags(const TrainConfig& config);
+
+// --comm-hook's choices: "none" (DDP's default path), then the hooks of gradsync/comm_hook.h.
+const std::vector<std::string>& comm_hook_names();
 
 // The engine for config.strategy over `model` (world is null for --strategy local).
 std::unique_ptr<Engine> make_engine(const TrainConfig& config, torch::nn::Sequential model,

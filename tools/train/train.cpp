@@ -85,7 +85,7 @@ class Progress {
     seconds_ += r.seconds;
     samples_ += r.samples;
     const double rate = seconds_ > 0 ? static_cast<double>(samples_) / seconds_ : 0;
-    const double eta = r.step + 1 > 0 ? seconds_ / static_cast<double>(r.step + 1) * static_cast<double>(total_ - r.step - 1) : 0;
+    const double eta = seconds_ / static_cast<double>(r.step + 1) * static_cast<double>(total_ - r.step - 1);
     fmt::print(stderr, "\rstep {}/{}  epoch {}  loss {:.4f}  {:.0f} samples/s  ETA {:.0f}s   ", r.step + 1, total_,
                r.epoch, r.loss, rate, eta);
   }

@@ -8,6 +8,7 @@
 
 #include "launch/backend_flag.h"
 #include "launch/launch.h"
+#include "train/engine_factory.h"
 #include "train/train.h"
 
 namespace gradsync::cli {
@@ -33,7 +34,7 @@ void add_engine_options(CLI::App* cmd, TrainConfig& c) {
                   "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
                   "(reduce-scatter every micro-step, gradient memory stays 1/N)");
   cmd->add_option("--comm-hook", c.comm_hook, "ddp: none (default), allreduce, fp16 or bf16 (PyTorch's hooks)")
-      ->check(CLI::IsMember({"none", "allreduce", "fp16", "bf16"}));
+      ->check(CLI::IsMember(comm_hook_names()));
   cmd->add_flag("--no-prefetch", c.no_prefetch,
                 "fsdp-full: gather one unit at a time (lowest memory) instead of prefetching the next unit's all-gather");
   cmd->add_flag("--report-memory", c.report_memory,
