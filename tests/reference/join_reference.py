@@ -70,7 +70,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_train import (UsageError, build_model, env_world_size, exit_without_destructors,  # noqa: E402
-                         load_dataset_file, parse_model_spec, set_up_torch)
+                         load_dataset_file, load_init_state, parse_model_spec, set_up_torch)
 
 PROG = "join_reference.py"
 
@@ -134,17 +134,7 @@ def load_inputs(args, counts):
         raise UsageError(f"data {args.data!r} has {X.shape[0]} rows but --batches {args.batches} x "
                          f"--batch-size {args.batch_size} needs {need}")
     module = build_model(args.model)
-    try:
-        state = torch.load(args.init_state, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad input
-        raise UsageError(f"cannot load --init-state {args.init_state!r}: {e}")
-    if not isinstance(state, dict):
-        raise UsageError(f"--init-state {args.init_state!r} holds a {type(state).__name__}, "
-                         f"expected a state dict")
-    try:
-        module.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise UsageError(f"--init-state {args.init_state!r} does not fit model {args.model!r}: {e}")
+    load_init_state(module, args.init_state, args.model)
     return X, Y, module
 
 

@@ -351,17 +351,7 @@ def train(args, world, X, Y, tmpdir):
     torch.manual_seed(args.seed)
     module = build_model(args.model)
     if args.init_state:
-        try:
-            state = torch.load(args.init_state, map_location="cpu")
-        except Exception as e:  # noqa: BLE001
-            raise UsageError(f"cannot load --init-state {args.init_state!r}: {e}")
-        if not isinstance(state, dict):
-            raise UsageError(f"--init-state {args.init_state!r} holds a {type(state).__name__}, "
-                             f"expected a state dict")
-        try:
-            module.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise UsageError(f"--init-state {args.init_state!r} does not fit model {args.model!r}: {e}")
+        load_init_state(module, args.init_state, args.model)
 
     # The process group starts only after every input was validated, so bad inputs fail fast on all ranks.
     rank = 0
@@ -449,6 +439,20 @@ def train(args, world, X, Y, tmpdir):
         dist.destroy_process_group()
         if args.comm_hook != "none":  # its Python callbacks run on Gloo threads
             exit_without_destructors(tmpdir)
+
+
+def load_init_state(module, path, model):
+    """--init-state: a state dict that fits `module` exactly (UsageError naming the file otherwise)."""
+    try:
+        state = torch.load(path, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad input
+        raise UsageError(f"cannot load --init-state {path!r}: {e}")
+    if not isinstance(state, dict):
+        raise UsageError(f"--init-state {path!r} holds a {type(state).__name__}, expected a state dict")
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise UsageError(f"--init-state {path!r} does not fit model {model!r}: {e}")
 
 
 def exit_without_destructors(tmpdir):
