@@ -66,6 +66,21 @@ TEST(Bench, EveryStrategyRunsAndAPlotIsWritten) {
   }
 }
 
+// The convolutional and the residual (non-Sequential) models, on both sides: PyTorch builds the same modules.
+TEST(Bench, CnnAndResRunOnBothSides) {
+  for (const char* model : {"cnn:2-3-10", "res:32-16-2-4"}) {
+    auto r = t::run({GRADSYNC_BIN, "bench", "--model", model, "--per-rank-batch", "4", "--world-size", "2",
+                     "--strategy", "fsdp-full", "--steps", "2", "--warmup", "1", "--repeats", "2", "--compare-pytorch",
+                     "--json"},
+                    within(120));
+    ASSERT_TRUE(r.ok()) << r.describe();
+    auto j = json_of(r);
+    EXPECT_EQ(j["config"]["model"], model);
+    expect_side(j.at("gradsync"), 8, "gradsync");
+    expect_side(j.at("pytorch"), 8, "pytorch");
+  }
+}
+
 TEST(Bench, AllreduceReportsBusBandwidthNextToTheRawEngine) {
   for (const char* backend : {"gloo", "mpi"}) {
     auto r = t::run({GRADSYNC_BIN, "bench", "allreduce", "--bytes", "4K,256K", "--world-size", "2", "--backend",

@@ -151,8 +151,8 @@ t::CommandOptions cli() {
   return o;
 }
 
-std::string make_case(const std::string& dir, int n) {
-  auto made = t::run({kPython, kReference + "/make_case.py", "--model", "mlp:8-16-5", "--n", std::to_string(n),
+std::string make_case(const std::string& dir, int n, const std::string& model = "mlp:8-16-5") {
+  auto made = t::run({kPython, kReference + "/make_case.py", "--model", model, "--n", std::to_string(n),
                       "--loss", "ce", "--seed", "5", "--data-out", dir + "/data.pt", "--state-out", dir + "/init.pt"},
                      cli());
   EXPECT_TRUE(made.ok()) << made.describe();
@@ -194,6 +194,37 @@ TEST(GlobalMean, TrainMatchesPyTorchOnTheSameGlobalBatches) {
   }
 }
 
+// The sharded strategies with global-mean and no padding: 90 samples over 4 ranks leave 23/23/22/22 per epoch, so
+// with K = 3 micro-batches of 2 the last step of each epoch has ranks running 3 and 2 micro-batches (FSDP adds a
+// shadow micro-step to the shorter ones). Every strategy must end where PyTorch's one process on the same global
+// batches ends, on res (units: its Blocks) and on an MLP, and --verify-every must pass every step.
+TEST(GlobalMean, EveryShardedStrategyWithUnevenRanksMatchesOneProcessOnTheUnion) {
+  for (const char* model : {"res:8-10-2-5", "mlp:8-12-9-5"}) {
+    const std::string dir = make_case(t::make_temp_dir("gradsync-gm-sharded"), 90, model);
+    const std::vector<std::string> common{"--model", model, "--data", dir + "/data.pt", "--init-state",
+                                          dir + "/init.pt", "--global-batch", "24", "--accumulate", "3",
+                                          "--optimizer", "adam", "--epochs", "2", "--no-pad"};
+    auto py = common;
+    py.insert(py.begin(), {kPython, kReference + "/torch_global_batches.py"});
+    py.insert(py.end(), {"--ranks", "4", "--save-state", dir + "/pytorch.pt"});
+    auto ref = t::run(py, cli());
+    ASSERT_TRUE(ref.ok()) << ref.describe();
+    for (const char* strategy : {"fsdp-full", "fsdp-grad-op", "zero1"}) {
+      const std::string out = dir + "/" + strategy + ".pt";
+      std::vector<std::string> ours{GRADSYNC_BIN, "train", "--world-size", "4", "--strategy", strategy,
+                                    "--reduction", "global-mean", "--verify-every", "1", "--save-state", out,
+                                    "--quiet"};
+      ours.insert(ours.end(), common.begin(), common.end());
+      auto r = t::run(ours, cli());
+      ASSERT_TRUE(r.ok()) << model << " " << strategy << ": " << r.describe();
+      EXPECT_NE(r.err.find("gradsync verify: step 7"), std::string::npos) << r.describe();
+      EXPECT_EQ(r.err.find("FAILED"), std::string::npos) << r.describe();
+      auto verdict = compare(out, dir + "/pytorch.pt", false);
+      EXPECT_TRUE(verdict.ok()) << model << " " << strategy << ": " << verdict.describe();
+    }
+  }
+}
+
 TEST(Verify, PassesOnCorrectRunsAndCatchesAWrongGradientAndADivergentReplica) {
   const std::string dir = make_case(t::make_temp_dir("gradsync-verify"), 60);
   const std::vector<std::string> base{GRADSYNC_BIN, "train", "--model", "mlp:8-16-5", "--data", dir + "/data.pt",
@@ -220,4 +251,20 @@ TEST(Verify, PassesOnCorrectRunsAndCatchesAWrongGradientAndADivergentReplica) {
   EXPECT_FALSE(found.ok());
   EXPECT_FALSE(found.timed_out);
   EXPECT_NE(found.err.find("'2.bias' differs from rank 0's on rank(s) 2"), std::string::npos) << found.describe();
+}
+
+// A sharded engine's gradient is checked whole (its shards' gradients gathered): a wrong shard gradient on rank 0
+// is caught, naming a parameter that shard holds.
+TEST(Verify, CatchesAWrongShardGradient) {
+  const std::string dir = make_case(t::make_temp_dir("gradsync-verify-sharded"), 60);
+  for (const char* strategy : {"fsdp-full", "zero1"}) {
+    auto caught = t::run({GRADSYNC_BIN, "train", "--model", "mlp:8-16-5", "--data", dir + "/data.pt",
+                          "--global-batch", "12", "--world-size", "3", "--steps", "4", "--verify-every", "1",
+                          "--strategy", strategy, "--inject-fault", "grad@2", "--quiet"}, cli());
+    EXPECT_FALSE(caught.ok()) << strategy;
+    EXPECT_FALSE(caught.timed_out) << strategy;
+    EXPECT_NE(caught.err.find("gradsync verify: step 1"), std::string::npos) << caught.describe();
+    EXPECT_NE(caught.err.find("gradient verification failed at step 2"), std::string::npos) << caught.describe();
+    EXPECT_NE(caught.err.find("'0.weight'"), std::string::npos) << caught.describe();
+  }
 }

@@ -226,6 +226,30 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
   fs::remove_all(dir, ignored);
 }
 
+// The same experiments on the residual model (not a Sequential: FSDP runs its Blocks as units) and on the CNN:
+// every measurement still tells the sum from the mean.
+TEST(LabCli, QuickRunOnResAndCnnReachesTheSameAnswer) {
+  for (const char* model : {"res:784-16-2-10", "cnn:2-4-10"}) {
+    const auto dir = t::make_temp_dir("gradsync-test-lab-model-");
+    t::CommandOptions options;
+    options.timeout = std::chrono::seconds(240);
+    auto run = t::run({GRADSYNC_BIN, "lab", "--quick", "--json", "--model", model, "--out",
+                       dir + "/report"}, options);
+    ASSERT_TRUE(run.ok()) << model << ": " << run.describe();
+    EXPECT_NE(run.err.find(std::string("model ") + model), std::string::npos) << run.err;
+    const auto json = nlohmann::json::parse(run.out, nullptr, /*allow_exceptions=*/false);
+    ASSERT_FALSE(json.is_discarded()) << run.out.substr(0, 2000);
+    SCOPED_TRACE(model);
+    check_sharded(json);
+    check_claims(json);
+    std::error_code ignored;
+    fs::remove_all(dir, ignored);
+  }
+  auto bad = t::run({GRADSYNC_BIN, "lab", "--quick", "--model", "mlp:10-5-3"});
+  EXPECT_EQ(bad.exit_code, 1) << bad.describe();
+  EXPECT_NE(bad.err.find("needs 784 inputs and 10 outputs (it has 10 and 3)"), std::string::npos) << bad.err;
+}
+
 TEST(LabCli, RejectsBadWorldSizes) {
   auto r = t::run({GRADSYNC_BIN, "lab", "--quick", "--world-sizes", "0,2"});
   EXPECT_EQ(r.exit_code, 1) << r.describe();

@@ -36,6 +36,8 @@ using gradsync::cli::load_dataset;
 using gradsync::cli::LossKind;
 using gradsync::cli::make_model;
 
+torch::nn::Sequential sequential_model(const std::string& spec) { return make_model(spec).sequential(); }
+
 constexpr const char* kPython = "/usr/bin/python3";
 
 // A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit (launch/spawn.h).
@@ -118,7 +120,7 @@ using Names = std::vector<std::string>;
 TEST(ModelSpec, MlpKeysEqualPython) {
   // Python: list(nn.Sequential(nn.Linear(784,256), nn.ReLU(), nn.Linear(256,10)).state_dict().keys())
   const Names python = {"0.weight", "0.bias", "2.weight", "2.bias"};
-  auto model = make_model("mlp:784-256-10");
+  auto model = sequential_model("mlp:784-256-10");
   EXPECT_EQ(state_dict_names(model), python);
   EXPECT_EQ(parameter_names(*model), python);
   EXPECT_TRUE(buffer_names(*model).empty());
@@ -135,9 +137,9 @@ TEST(ModelSpec, MlpKeysEqualPython) {
 }
 
 TEST(ModelSpec, DeepMlpAndTwoLayerMlp) {
-  EXPECT_EQ(state_dict_names(make_model("mlp:3-4-5-6-2")),
+  EXPECT_EQ(state_dict_names(sequential_model("mlp:3-4-5-6-2")),
             (Names{"0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias", "6.weight", "6.bias"}));
-  auto linear_only = make_model("mlp:3-2");
+  auto linear_only = sequential_model("mlp:3-2");
   EXPECT_EQ(linear_only->size(), 1u);
   EXPECT_EQ(state_dict_names(linear_only), (Names{"0.weight", "0.bias"}));
 }
@@ -153,7 +155,7 @@ TEST(ModelSpec, MlpBnKeysEqualPython) {
                                "3.bias",   "4.weight", "4.bias",   "6.weight", "6.bias"};
   const Names python_buffers = {"1.running_mean", "1.running_var", "1.num_batches_tracked",
                                 "4.running_mean", "4.running_var", "4.num_batches_tracked"};
-  auto model = make_model("mlp-bn:4-8-6-3");
+  auto model = sequential_model("mlp-bn:4-8-6-3");
   EXPECT_EQ(state_dict_names(model), python_state);
   EXPECT_EQ(parameter_names(*model), python_params);
   EXPECT_EQ(buffer_names(*model), python_buffers);
@@ -161,7 +163,7 @@ TEST(ModelSpec, MlpBnKeysEqualPython) {
   EXPECT_NE(model[2]->as<torch::nn::ReLU>(), nullptr);
   EXPECT_EQ(model->named_buffers()["1.num_batches_tracked"].scalar_type(), torch::kInt64);
 
-  EXPECT_EQ(state_dict_names(make_model("mlp-bn:784-256-10")),
+  EXPECT_EQ(state_dict_names(sequential_model("mlp-bn:784-256-10")),
             (Names{"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
                    "1.num_batches_tracked", "3.weight", "3.bias"}));
 }
@@ -192,7 +194,7 @@ torch.save(d, sys.argv[1] + "/state.pt")
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto dict = torch::pickle_load(bytes).toGenericDict();
 
-  auto model = make_model("mlp-bn:5-7-6-3");
+  auto model = sequential_model("mlp-bn:5-7-6-3");
   std::set<std::string> used;
   {
     torch::NoGradGuard no_grad;
@@ -227,11 +229,27 @@ TEST(ModelSpec, InputAndOutputSizes) {
   // cnn:C1-C2-OUT reads flattened 28x28 images; its keys are Python's nn.Sequential indices.
   EXPECT_EQ(gradsync::cli::model_input_size("cnn:32-64-10"), 784);
   EXPECT_EQ(gradsync::cli::model_output_size("cnn:32-64-10"), 10);
-  auto cnn = make_model("cnn:4-8-10");
+  auto cnn = sequential_model("cnn:4-8-10");
   std::vector<std::string> keys;
   for (const auto& [name, t] : gradsync::state_dict(*cnn)) keys.push_back(name);
   EXPECT_EQ(keys, (std::vector<std::string>{"1.weight", "1.bias", "4.weight", "4.bias", "8.weight", "8.bias"}));
   EXPECT_EQ(cnn->forward(torch::zeros({5, 784})).sizes(), (std::vector<int64_t>{5, 10}));
+}
+
+// res:IN-H-B-OUT is not a Sequential; its keys and their order are Python's Res (tests/reference/torch_train.py):
+// list(Res(5, 6, 2, 3).state_dict().keys()).
+TEST(ModelSpec, ResKeysAndOrderEqualPythonAndItIsNotASequential) {
+  auto res = make_model("res:5-6-2-3");
+  std::vector<std::string> keys;
+  for (const auto& [name, t] : gradsync::state_dict(*res)) keys.push_back(name);
+  EXPECT_EQ(keys, (Names{"inp.weight", "inp.bias", "blocks.0.norm.weight", "blocks.0.norm.bias", "blocks.0.fc.weight",
+                         "blocks.0.fc.bias", "blocks.1.norm.weight", "blocks.1.norm.bias", "blocks.1.fc.weight",
+                         "blocks.1.fc.bias", "out.weight", "out.bias"}));
+  EXPECT_EQ(parameter_names(*res), keys);
+  EXPECT_THROW(res.sequential(), gradsync::ConfigError);
+  EXPECT_EQ(res.forward(torch::zeros({4, 5})).sizes(), (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(gradsync::cli::model_input_size("res:784-64-3-10"), 784);
+  EXPECT_EQ(gradsync::cli::model_output_size("res:784-64-3-10"), 10);
 }
 
 TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
@@ -254,6 +272,8 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
       {"", "missing ':'"},
       {"cnn:784-10", "cnn takes exactly three sizes (channels C1, C2 and outputs), got 2"},
       {"cnn:4-8-0", "'0' is not a positive integer"},
+      {"res:8-16-10", "res takes exactly four sizes (inputs, width, blocks, outputs), got 3"},
+      {"res:8-16-0-10", "'0' is not a positive integer"},
       {"conv:4-8-10", "unknown model kind 'conv'"},
       {"MLP:784-10", "unknown model kind 'MLP'"},
       {"mlp:99999999999999999999-10", "too large"},
@@ -262,7 +282,8 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
     SCOPED_TRACE("spec '" + c.spec + "'");
     const std::string msg = error_of<gradsync::ConfigError>([&] { make_model(c.spec); });
     EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
-    EXPECT_NE(msg.find("expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT or cnn:C1-C2-OUT"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT, cnn:C1-C2-OUT or res:IN-H-B-OUT"),
+              std::string::npos) << msg;
     error_of<gradsync::ConfigError>([&] { gradsync::cli::model_input_size(c.spec); });
     error_of<gradsync::ConfigError>([&] { gradsync::cli::model_output_size(c.spec); });
   }

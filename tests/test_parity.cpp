@@ -116,7 +116,12 @@ INSTANTIATE_TEST_SUITE_P(
         ParityCase{"N2_K2_fp16_comm_hook", "mlp:10-16-4", "ce", 96, 2, 2, 16,
                    {"--comm-hook", "fp16", "--momentum", "0.9", "--epochs", "2"}},
         // cnn:C1-C2-OUT (Conv2d, ReLU, MaxPool2d twice, then Linear) on flattened 28x28 inputs.
-        ParityCase{"N3_K1_cnn_sgd_momentum", "cnn:4-6-10", "ce", 60, 3, 1, 12, {"--momentum", "0.9", "--steps", "5"}}),
+        ParityCase{"N3_K1_cnn_sgd_momentum", "cnn:4-6-10", "ce", 60, 3, 1, 12, {"--momentum", "0.9", "--steps", "5"}},
+        // res:IN-H-B-OUT, not a Sequential (LayerNorm, residual connections); DDP's buckets in Python's order.
+        ParityCase{"N3_K2_res_adam", "res:9-11-2-5", "ce", 90, 3, 2, 18, {"--optimizer", "adam", "--steps", "6"}},
+        // Frozen parameters are neither hooked nor reduced; biases and norm weights in a group without decay.
+        ParityCase{"N2_K1_res_frozen_no_decay", "res:8-10-2-3", "ce", 64, 2, 1, 16,
+                   {"--freeze", "inp.", "--no-decay-1d", "--weight-decay", "0.1", "--momentum", "0.9", "--steps", "5"}}),
     [](const testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
 // The test can fail: gradsync with Reduction::Sum must NOT match PyTorch DDP (which averages).

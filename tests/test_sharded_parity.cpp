@@ -1,7 +1,8 @@
 // Parity of the sharded strategies with real PyTorch DDP: `gradsync train --strategy fsdp-full|fsdp-grad-op|
 // fsdp-no-shard|zero1` and tests/reference/torch_train.py --strategy ddp (python3-torch, gloo, DistributedDataParallel)
 // start from the same initial state and data file; every strategy must end with the same parameters (<= 1e-5
-// relative per tensor, compare_states.py) and the same per-step losses. The reference runs once per configuration.
+// relative per tensor, compare_states.py), the same per-step losses and the same optimizer state keyed by parameter
+// names (compare_optim_states.py). The reference runs once per configuration.
 // Sharded strategies sum in another order than PyTorch's allreduce, so equality is within rounding, not bitwise.
 #include <fstream>
 
@@ -56,6 +57,7 @@ void check_strategy(const ShardedParityCase& c, const std::string& dir, const st
   auto flags = parity::train_flags(c, dir, tag, c.flags);
   cpp.insert(cpp.end(), flags.begin(), flags.end());
   cpp.insert(cpp.end(), strategy.begin(), strategy.end());
+  cpp.insert(cpp.end(), {"--save-optim", dir + "/" + tag + ".optim.pt"});
   auto ours = t::run(cpp, options());
   ASSERT_TRUE(ours.ok()) << tag << ": " << ours.describe();
   EXPECT_NE(ours.out.find("memory per rank"), std::string::npos) << ours.out;
@@ -64,6 +66,10 @@ void check_strategy(const ShardedParityCase& c, const std::string& dir, const st
                          "--rtol", "1e-5"}, options());
   EXPECT_TRUE(verdict.ok()) << tag << ": " << verdict.describe();
   std::cout << c.name << " " << tag << ": " << verdict.out.substr(verdict.out.rfind('{'));
+  // The optimizer's state, gathered and keyed by parameter names, is PyTorch's (FSDP.full_optim_state_dict's layout).
+  auto optim = t::run({kPython, kReference + "/compare_optim_states.py", dir + "/" + tag + ".optim.pt",
+                       dir + "/pytorch.optim.pt", "--rtol", "1e-5"}, options());
+  EXPECT_TRUE(optim.ok()) << tag << ": " << optim.describe();
 
   auto log = read_log(dir + "/" + tag + ".jsonl");
   ASSERT_EQ(log.size(), reference_log.size()) << tag;
@@ -88,6 +94,7 @@ TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
                               kReference + "/torch_train.py", "--strategy", "ddp"};
   auto py_flags = parity::train_flags(c, dir, "pytorch", c.flags);
   py.insert(py.end(), py_flags.begin(), py_flags.end());
+  py.insert(py.end(), {"--save-optim", dir + "/pytorch.optim.pt"});
   auto theirs = t::run(py, options());
   ASSERT_TRUE(theirs.ok()) << theirs.describe();
   const auto reference_log = read_log(dir + "/pytorch.jsonl");
@@ -122,5 +129,24 @@ INSTANTIATE_TEST_SUITE_P(
                           {{"--strategy", "fsdp-full", "--wrap", "list:0,4"}, {"--strategy", "zero1"}}},
         // A convolutional network (cnn:C1-C2-OUT): units are its two Conv2d and its Linear.
         ShardedParityCase{"N2_K2_cnn_adam", "cnn:3-5-10", "ce", 48, 2, 2, 16, {"--optimizer", "adam", "--steps", "5"},
-                          {{"--strategy", "fsdp-full"}, {"--strategy", "fsdp-grad-op"}, {"--strategy", "zero1"}}}),
+                          {{"--strategy", "fsdp-full"}, {"--strategy", "fsdp-grad-op"}, {"--strategy", "zero1"}}},
+        // res:IN-H-B-OUT is not a Sequential: FSDP runs its Blocks as units in their slots of `blocks` (inp and out
+        // form the root unit), chosen by default, by type and by qualified name; ZeRO-1 takes the same units.
+        ShardedParityCase{"N4_K3_res_adam", "res:9-11-3-5", "ce", 100, 4, 3, 24, {"--optimizer", "adam", "--steps", "7"},
+                          {{"--strategy", "fsdp-full"},
+                           {"--strategy", "fsdp-full", "--wrap", "type:Block", "--no-prefetch"},
+                           {"--strategy", "fsdp-grad-op", "--wrap", "list:blocks.1"},
+                           {"--strategy", "fsdp-no-shard"},
+                           {"--strategy", "zero1"},
+                           {"--strategy", "zero1", "--wrap", "type:Block"}}},
+        // Frozen parameters (no unit holds them, no collective moves them) and a second optimizer group without
+        // weight decay over the original parameters (FSDP and ZeRO-1 step views of their shards).
+        ShardedParityCase{"N3_K2_res_frozen_no_decay_sgd", "res:10-12-2-4", "mse", 90, 3, 2, 18,
+                          {"--momentum", "0.9", "--weight-decay", "0.1", "--no-decay-1d", "--freeze",
+                           "inp.,blocks.1.norm", "--steps", "6"},
+                          {{"--strategy", "fsdp-full"}, {"--strategy", "fsdp-grad-op"}, {"--strategy", "zero1"}}},
+        ShardedParityCase{"N2_K1_cnn_frozen_conv_no_decay", "cnn:3-4-10", "ce", 40, 2, 1, 8,
+                          {"--optimizer", "adam", "--weight-decay", "0.05", "--no-decay-1d", "--freeze", "1.",
+                           "--steps", "4"},
+                          {{"--strategy", "fsdp-full", "--wrap", "type:Conv2d,Linear"}, {"--strategy", "zero1"}}}),
     [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });

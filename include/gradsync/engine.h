@@ -25,6 +25,7 @@
 //  - a rank with no micro-batch in a step calls accumulate(engine, 0, ...): it joins the step's collectives with
 //    zero gradients, still counted in the 1/N of Mean (as PyTorch's Join).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -114,6 +115,9 @@ class Engine {
   // ---- what the optimizer sees -----------------------------------------------------------------------------
   // This rank's trainable tensors: the module's parameters (DDP, local) or this rank's shards (FSDP, ZeRO-1).
   virtual std::vector<torch::Tensor> parameters() const = 0;
+  // The same under the original parameters' state-dict names, for optimizer parameter groups: the module's
+  // trainable parameters (DDP, local), or this rank's part of each of them (FSDP, ZeRO-1: views of the shards).
+  virtual torch::OrderedDict<std::string, torch::Tensor> named_parameters();
   // Gradients to zero (DDP, local: in place) or released (FSDP, ZeRO-1: shard gradients become undefined).
   virtual void zero_grad() = 0;
   // After the synchronising backward: scales the gradient so the norm of the whole (unsharded, reduced) gradient
@@ -127,6 +131,19 @@ class Engine {
   // for sharded engines, this rank's own for DDP and local), on every rank, or only on rank 0 with rank0_only
   // (other ranks get an empty one: no rank but 0 then holds the whole model).
   virtual StateDict state_dict(bool rank0_only = false) = 0;
+  // Collective. The reduced gradient of every trainable parameter under its state-dict name, whole, on every rank
+  // (the sharded engines all-gather their shards' gradients); zeros where a parameter has none. For checking a
+  // gradient (gradsync train --verify-every), not for training: it costs a whole gradient per rank.
+  virtual StateDict full_gradients();
+  // Collective. The optimizer's state of every original parameter, whole, under the parameters' state-dict names,
+  // in PyTorch's FSDP.full_optim_state_dict layout ({"state": {name: {"step", "exp_avg", ...}}, "param_groups":
+  // [{..., "params": [names]}]}; src/shard/full_optim_state.h): on every rank, or only on rank 0 with rank0_only
+  // (the others get an empty dict). The optimizer (SGD, Adam, AdamW) steps parameters() or named_parameters().
+  virtual c10::IValue full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only = true);
+  // Loads such a dict -- the whole dict on every rank, e.g. read_torch_file() of what save_torch_file() wrote --
+  // into this rank's part of the optimizer's state (no communication). Parameters the dict has no state for start
+  // afresh; a mis-sized tensor is a ConfigError naming it.
+  virtual void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state);
   // Collective. Loads rank 0's `state` everywhere (other ranks may pass an empty one). Strict: a missing,
   // unexpected or mis-shaped key fails on every rank, naming it, and nothing is modified.
   virtual void load_state_dict(const StateDict& state) = 0;
@@ -146,8 +163,12 @@ class Engine {
   virtual void begin_forward() = 0;  // buffer broadcast, gathers; decides nothing yet
   virtual void end_forward() = 0;    // decides whether the coming backward synchronises
   virtual void abort_forward() {}    // the body threw between begin_forward() and end_forward()
-  // After begin_forward() and end_forward() without a real forward: the synchronised backward's collectives with
-  // zero gradients, so a rank without data neither stalls the others nor changes their sequence of collectives.
+  // A micro-step without data (a shadow micro-step): begin_forward(), join_forward(), end_forward(),
+  // join_backward() issue the collectives a real micro-step would, with zero gradients, so a rank without data
+  // neither stalls the others nor changes their sequence of collectives. Under no_sync it accumulates nothing;
+  // synchronised it reduces what the rank's earlier micro-steps accumulated. FSDP replays the forward's unit
+  // gathers in join_forward(); the other engines have none.
+  virtual void join_forward() {}
   virtual void join_backward() = 0;
   // Sharded accumulation that reduces every micro-step (FSDP's ReduceEveryMicroStep): accumulate() then runs
   // every micro-batch synchronised and calls continue_accumulation() between them.
@@ -156,10 +177,12 @@ class Engine {
   virtual void continue_accumulation() {}
   // Reduction::GlobalMean: the step's item count over all ranks, before the synchronising backward.
   virtual void set_global_item_count(int64_t items);
-  // accumulate() calls it first with this rank's micro-batch count. An engine whose collectives depend on that
-  // count (FSDP gathers parameters in every forward) checks that the ranks' counts fit together and fails on every
-  // rank, naming them, where they do not -- instead of pairing different collectives.
-  virtual void begin_step(int64_t /*micro_batches*/) {}
+  // accumulate() calls it first with this rank's micro-batch count and runs the micro-steps it returns: this
+  // rank's own, then shadow micro-steps (see join_forward) up to the count. Most engines return max(count, 1): a
+  // rank without data joins the one synchronised micro-step. FSDP gathers parameters in every forward, so every
+  // rank runs the largest count (one small all-gather); it fails on every rank, naming them, where a rank has no
+  // micro-step of its own to replay.
+  virtual int64_t begin_step(int64_t micro_batches) { return std::max<int64_t>(micro_batches, 1); }
 
  protected:
   explicit Engine(const ModuleRef& module) : module_forward_(module.forward) {}
@@ -203,26 +226,32 @@ double accumulate(int64_t micro_batches, LossFn&& micro_loss) {
   return total;
 }
 
+namespace detail {
+// A micro-step without data (see Engine::join_forward), synchronised unless under no_sync.
+inline void shadow_micro_step(Engine& engine) {
+  engine.begin_forward();
+  engine.join_forward();
+  engine.end_forward();
+  engine.join_backward();
+}
+}  // namespace detail
+
 // Any engine: micro_loss(k) runs engine.forward itself (so no_sync covers the forward too) and returns micro-batch
-// k's loss. micro_batches may be 0 on a rank without data in this step: it joins with zero gradients.
+// k's loss. micro_batches may be 0 on a rank without data in this step: it joins with zero gradients. Ranks may
+// hold different counts K_r: each divides by its own (see docs/semantics.md, the K' rule).
 template <typename LossFn>
 double accumulate(Engine& engine, int64_t micro_batches, LossFn&& micro_loss) {
   detail::check_micro_batches(micro_batches, 0);
-  engine.begin_step(micro_batches);
-  if (micro_batches == 0) {
-    engine.begin_forward();
-    engine.end_forward();
-    engine.join_backward();
-    return 0;
-  }
+  const int64_t steps = engine.begin_step(micro_batches);  // this rank's micro-batches, then shadow ones
   double total = 0;
-  for (int64_t k = 0; k < micro_batches; ++k) {
+  for (int64_t k = 0; k < steps; ++k) {
     auto step = [&] {
+      if (k >= micro_batches) return detail::shadow_micro_step(engine);
       auto scaled = micro_loss(k) / static_cast<double>(micro_batches);
       scaled.backward();
       total += scaled.template item<double>();
     };
-    const bool last = k + 1 == micro_batches;
+    const bool last = k + 1 == steps;
     if (last) {
       step();
     } else if (engine.reduces_every_micro_step()) {
@@ -251,6 +280,7 @@ struct GlobalStepLoss {
 namespace detail {
 // One allreduce of (items, loss sum) over the engine's ranks; hands T to the engine.
 GlobalStepLoss global_totals(Engine& engine, int64_t items, double loss_sum);
+// The engine reduces with GlobalMean, once per step (the item count is known only before the last micro-step).
 void require_global_mean(const Engine& engine);
 }  // namespace detail
 
@@ -263,22 +293,27 @@ template <typename ItemLossFn>
 GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, ItemLossFn&& micro_loss) {
   detail::check_micro_batches(micro_batches, 0);
   detail::require_global_mean(engine);
-  engine.begin_step(micro_batches);
-  if (micro_batches == 0) {
-    engine.begin_forward();
-    engine.end_forward();
-    auto out = detail::global_totals(engine, 0, 0.0);
-    engine.join_backward();
-    return out;
-  }
+  const int64_t steps = engine.begin_step(micro_batches);  // this rank's micro-batches, then shadow ones
   int64_t items = 0;
   double loss_sum = 0;
-  for (int64_t k = 0; k + 1 < micro_batches; ++k) {
+  for (int64_t k = 0; k + 1 < steps; ++k) {
     auto guard = engine.no_sync();
+    if (k >= micro_batches) {
+      detail::shadow_micro_step(engine);
+      continue;
+    }
     ItemLoss part = micro_loss(k);
     items += part.items;
     loss_sum += part.summed_loss.template item<double>();
     part.summed_loss.backward();
+  }
+  if (micro_batches < steps) {  // the synchronised micro-step is a shadow one
+    engine.begin_forward();
+    engine.join_forward();
+    engine.end_forward();
+    auto out = detail::global_totals(engine, items, loss_sum);
+    engine.join_backward();
+    return out;
   }
   ItemLoss last = micro_loss(micro_batches - 1);  // synchronised forward
   items += last.items;

@@ -2,7 +2,7 @@
 // over the ranks, unit by unit (ZeRO stages 2 and 3), or keeps them whole (NO_SHARD, DDP's arithmetic).
 //
 //   auto world = gradsync::init();
-//   gradsync::FullyShardedDataParallel fsdp(model, world);           // FULL_SHARD, a unit per child, mean
+//   gradsync::FullyShardedDataParallel fsdp(model, world);           // FULL_SHARD, a unit per Sequential element, mean
 //   torch::optim::Adam optimizer(fsdp.parameters(), 1e-3);          // over this rank's shards only
 //   fsdp.track_optimizer(&optimizer);                                // its state counts in fsdp.memory()
 //   auto loss = loss_fn(fsdp.forward(x), y);
@@ -24,9 +24,12 @@
 // all-gather). NO_SHARD keeps everything whole and allreduces, like DDP. Parameters no unit took form the root
 // unit, gathered for the whole forward and backward.
 //
-// Forward needs FSDP to know where units start and end; C++ modules have no forward pre-hooks, so FSDP drives the
-// forward: forward(x) runs a torch::nn::Sequential child by child; for any other module, forward_with(body) runs
-// your forward, which calls unit(name, fn) around each unit's part.
+// Forward needs FSDP to know where units start and end; C++ modules have no forward pre-hooks, so FSDP puts a
+// caller into each unit's slot of the torch::nn::Sequential that holds it (at any depth: a Sequential model, or a
+// Sequential of blocks inside your own module), and forward(x) runs your module's forward unchanged. A unit that is
+// not an element of a Sequential has no slot: run such a model with forward_with(body), calling unit(name, fn)
+// around each unit's part (src/shard/wrap_policy.h, Note [Unit slots]). Frozen parameters (requires_grad false)
+// belong to no unit: they stay whole on every rank and are never communicated after construction.
 //
 // Semantics (see Note [Where the division happens]): Reduction::Mean multiplies by 1/N, then SUM-reduces, exactly
 // as DDP; the optimizer, elementwise (SGD, Adam), updates each rank's slice with that slice's mean gradient,
@@ -50,9 +53,11 @@ namespace gradsync {
 
 struct WrapPolicy {
   enum class Kind {
-    Children,   // every direct child that has parameters is a unit (PyTorch: wrap each layer)
-    MinParams,  // consecutive children grouped until the group holds >= min_params parameters
-    List,       // the named direct children, one unit each; the other children's parameters go to the root
+    Children,   // every element of the outermost Sequentials (the module itself if it is one) with trainable
+                // parameters is a unit (PyTorch: wrap each layer); a module without a Sequential: its children
+    MinParams,  // consecutive elements of those Sequentials grouped until a group holds >= min_params parameters
+    List,       // the named modules (qualified names: "3", "blocks.0"), one unit each
+    Types,      // every module of the named types ("Block", "Linear"), recursively, not inside another unit
   };
   Kind kind = Kind::Children;
   int64_t min_params = 0;
@@ -61,11 +66,13 @@ struct WrapPolicy {
   static WrapPolicy children();
   static WrapPolicy at_least(int64_t min_params);
   static WrapPolicy list(std::vector<std::string> names);
-  // The text parse_wrap_policy() reads: "children", "params:N", "list:A,B,...".
+  static WrapPolicy types(std::vector<std::string> names);
+  // The text parse_wrap_policy() reads: "children", "params:N", "list:A,B,...", "type:T,U,...".
   std::string to_string() const;
 };
 
-// Parses "children", "params:N" (N >= 1) or "list:NAME[,NAME...]"; throws ConfigError naming the spec otherwise.
+// Parses "children", "params:N" (N >= 1), "list:NAME[,NAME...]" or "type:TYPE[,TYPE...]"; throws ConfigError
+// naming the spec otherwise. A unit holds trainable parameters only; the rest form the root unit (wrap_policy.h).
 WrapPolicy parse_wrap_policy(const std::string& spec);
 
 // See Note [Mixed precision on Gloo] (src/shard/mixed_precision.h): bfloat16 over a backend without it.
@@ -99,7 +106,7 @@ enum class ShardedAccumulation {
   // reduction per step. Costs a full gradient (Psi x compute dtype) per rank between micro-steps.
   UnshardedGradients,
   // Every micro-step reduce-scatters and adds into the shard gradient: gradient memory stays 1/N, K reductions per
-  // step. Every rank must then run the same number of micro-batches (a rank without data joins one).
+  // step. A rank with fewer micro-batches runs shadow micro-steps (engine.h, begin_step). Not with GlobalMean.
   ReduceEveryMicroStep,
 };
 
@@ -133,15 +140,15 @@ class ShardedUnits;  // the units and when they are gathered, freed and reduced;
 class FullyShardedDataParallel : public Engine {
  public:
   // Checks that every rank has the same model and unit plan (DistributedError otherwise), broadcasts rank 0's
-  // parameters and buffers, flattens each unit and keeps this rank's shard. Parameters must require grad and share
-  // one dtype per unit.
+  // parameters and buffers, flattens each unit and keeps this rank's shard. A unit's parameters must share
+  // one floating dtype.
   FullyShardedDataParallel(const ModuleRef& module, std::shared_ptr<World> world, FsdpOptions options = {});
   ~FullyShardedDataParallel() override;
 
-  // The module must be a torch::nn::Sequential (ConfigError otherwise); it runs child by child, each unit gathered
-  // around its children. A floating input is cast to the param dtype; the output is in the param dtype. Any other
-  // module: forward_with(body), where body calls unit() around each unit's part, in the same order on every rank
-  // (checked in the first step, see OrderChecking).
+  // The module's forward(x), each unit gathered around its slot; ConfigError when a unit has no slot. A floating
+  // input is cast to the param dtype; the output is in the param dtype. A unit without a slot: forward_with(body),
+  // where body calls unit() around each unit's part, in the same order on every rank (checked in the first step,
+  // see OrderChecking).
   torch::Tensor forward(const torch::Tensor& input) override;
   torch::Tensor unit(const std::string& name, const std::function<torch::Tensor()>& fn);
 
@@ -149,6 +156,10 @@ class FullyShardedDataParallel : public Engine {
   void set_require_sync(bool sync) override;
   // This rank's shards, one per unit (leaves that require grad): what the optimizer steps.
   std::vector<torch::Tensor> parameters() const override;
+  // This rank's part of each original parameter under its state-dict name (1-D, views of the shards, empty where
+  // the parameter lies on other ranks), with gradients after each reduction: build optimizer parameter groups over
+  // these (e.g. no weight decay on norms and biases) instead of over parameters(), never both.
+  torch::OrderedDict<std::string, torch::Tensor> named_parameters() override;
   // Shard gradients become undefined and unsharded gradient buffers are released.
   void zero_grad() override;
   // Clips the shard gradients so the norm of the whole gradient is <= max_norm; call after the synchronising
@@ -159,6 +170,10 @@ class FullyShardedDataParallel : public Engine {
   StateDict state_dict(bool rank0_only = false) override;
   // Collective: rank 0's state re-sharded. Optimizer state is not touched.
   void load_state_dict(const StateDict& state) override;
+  StateDict full_gradients() override;  // collective: one all-gather of shard gradients per unit
+  // Collective: one all-gather per unit and state tensor (src/shard/full_optim_state.h).
+  c10::IValue full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only = true) override;
+  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) override;
   MemoryStats memory() const override;
   CommStats traffic() const override;  // bytes this rank sent in unit collectives since construction
   torch::nn::Module& module() override;
@@ -169,14 +184,18 @@ class FullyShardedDataParallel : public Engine {
   void begin_forward() override;
   void end_forward() override;
   void abort_forward() override;
-  // Replays the unit collectives of this rank's last synchronised step with zero gradients; a rank needs one such
-  // step before it can join (ConfigError otherwise: the unit order is only known once a backward has run).
+  // A shadow micro-step replays this rank's last completed micro-step (its unit gathers, frees and reductions, in
+  // order) with zero gradients: forward part, then backward part. A rank needs one micro-step of its own first
+  // (ConfigError otherwise: the order of units is known only once a forward and backward have run).
+  void join_forward() override;
   void join_backward() override;
+  void set_global_item_count(int64_t items) override;
   bool reduces_every_micro_step() const override;
   void continue_accumulation() override;
-  // One small all-gather of every rank's micro-batch count (and whether it could join): the counts must be equal,
-  // or a rank with none may join a step in which the others run one; otherwise ConfigError on every rank.
-  void begin_step(int64_t micro_batches) override;
+  // One small all-gather of every rank's micro-batch count (and whether it has a micro-step to replay): every rank
+  // runs the largest count, a rank with fewer adds shadow micro-steps after its own; ConfigError on every rank
+  // where a rank has none of its own to replay.
+  int64_t begin_step(int64_t micro_batches) override;
 
   // Collective. This rank's shards (and the optimizer state of them, if given) in DIR: shard-<rank>-of-<N>.pt, a
   // dict Python's torch.load reads. Loading needs the same world size and units (use state_dict() to change them).

@@ -21,6 +21,10 @@ StateDict state_dict(const torch::nn::Module& module);
 // Writes atomically (temp file, fsync, rename, directory fsync): the path holds the old or the new file,
 // never a torn one. Throws Error naming the path and errno.
 void save_state_dict(const StateDict& state, const std::string& path);
+// The same for any value of dicts, lists, tuples, tensors, numbers, strings and None (an engine's
+// full_optim_state_dict()), in the form torch.save writes: Python's torch.load(path) and read_torch_file() read
+// it; weights_only=True too, except that torch 1.13's weights-only reader knows no floats (a learning rate).
+void save_torch_file(const c10::IValue& value, const std::string& path);
 
 // Reads a file written by save_state_dict or by Python's torch.save(model.state_dict(), path) (zip format, a dict
 // or OrderedDict of tensors), in the file's order. A Python DDP checkpoint's keys start with "module.": strip them

@@ -17,18 +17,24 @@
 // optimizer state K Psi/N (bytes of the model dtype; see stats.h).
 #pragma once
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "gradsync/engine.h"
+#include "gradsync/fsdp.h"
 #include "gradsync/runtime.h"
 
 namespace gradsync {
 
 // Chained like libtorch's options: gradsync::ZeroOptions().reduction(gradsync::Reduction::Sum).
 struct ZeroOptions {
-  TORCH_ARG(Reduction, reduction) = Reduction::Mean;  // of the gradient over ranks (Note [Where the division happens])
+  // Of the gradient over ranks (Note [Where the division happens]); GlobalMean with accumulate_global_mean().
+  TORCH_ARG(Reduction, reduction) = Reduction::Mean;
   TORCH_ARG(bool, broadcast_buffers) = true;          // as DDP: rank 0's buffers before a forward after a synced one
+  // The flat parameters: one of every trainable parameter (unset, the default), or one per unit of FSDP's wrap
+  // policy (fsdp.h), each sharded and reduce-scattered on its own.
+  TORCH_ARG(std::optional<WrapPolicy>, wrap);
 };
 
 class Zero1Shard;  // the flat parameter, its slice and when it is reduced and gathered; private to the library
@@ -36,7 +42,7 @@ class Zero1Shard;  // the flat parameter, its slice and when it is reduced and g
 class Zero1DataParallel : public Engine {
  public:
   // Checks the model is the same on every rank, broadcasts rank 0's parameters and buffers, flattens the
-  // parameters (one floating dtype, all requiring grad) and keeps this rank's slice.
+  // trainable parameters (one floating dtype; frozen ones stay whole, as DDP) and keeps this rank's slice.
   Zero1DataParallel(const ModuleRef& module, std::shared_ptr<World> world, ZeroOptions options = {});
   ~Zero1DataParallel() override;
 
@@ -45,12 +51,19 @@ class Zero1DataParallel : public Engine {
   void set_require_sync(bool sync) override;
   // This rank's slice (a leaf that requires grad): build the optimizer over it.
   std::vector<torch::Tensor> parameters() const override;
+  // This rank's part of each original parameter (views of the slice), for optimizer parameter groups; see FSDP's.
+  torch::OrderedDict<std::string, torch::Tensor> named_parameters() override;
+  void set_global_item_count(int64_t items) override;  // Reduction::GlobalMean
   void zero_grad() override;
   // The norm of the whole mean gradient, as clip_grad_norm_ on unsharded gradients (one small allreduce).
   double clip_grad_norm(double max_norm, double norm_type = 2.0) override;
   void track_optimizer(const torch::optim::Optimizer* optimizer) override;
   StateDict state_dict(bool rank0_only = false) override;  // parameters are whole: no gather; buffers rank 0's
   void load_state_dict(const StateDict& state) override;
+  StateDict full_gradients() override;  // collective: one all-gather of shard gradients per unit
+  // Collective: one all-gather per unit and state tensor (src/shard/full_optim_state.h).
+  c10::IValue full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only = true) override;
+  void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) override;
   MemoryStats memory() const override;
   CommStats traffic() const override;
   torch::nn::Module& module() override;
@@ -66,6 +79,7 @@ class Zero1DataParallel : public Engine {
   // forward (for reading module() right after optimizer.step()); the next training forward gathers again, so a
   // step taken after this call still reaches the parameters. A no-op when nothing was reduced since.
   void sync_parameters();
+  std::vector<UnitInfo> units() const;  // its flat parameters (ZeroOptions::wrap)
   // Collective. This rank's slice and its optimizer state in DIR/shard-<rank>-of-<N>.pt (see FSDP's save_sharded).
   void save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer = nullptr);
   void load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer = nullptr);

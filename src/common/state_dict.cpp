@@ -48,6 +48,10 @@ void save_state_dict(const StateDict& state, const std::string& path) {
   write_file_atomically(path, encode_torch_file(dict));
 }
 
+void save_torch_file(const c10::IValue& value, const std::string& path) {
+  write_file_atomically(path, encode_torch_file(value));
+}
+
 c10::IValue unpickle_torch_zip(const std::vector<char>& bytes) { return decode_torch_file(bytes); }
 
 c10::IValue read_torch_file(const std::string& path, const std::string& kind, const std::string& hint) {

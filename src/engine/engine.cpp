@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
+#include "shard/full_optim_state.h"
 
 namespace gradsync {
 
@@ -15,8 +16,48 @@ torch::Tensor Engine::forward(const torch::Tensor& input) {
   return forward_with([&] { return module_forward_(input); });
 }
 
+torch::OrderedDict<std::string, torch::Tensor> Engine::named_parameters() {
+  torch::OrderedDict<std::string, torch::Tensor> out;
+  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
+    if (p.value().requires_grad()) out.insert(p.key(), p.value());
+  }
+  return out;
+}
+
+StateDict Engine::full_gradients() {
+  StateDict out;
+  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
+    if (!p.value().requires_grad()) continue;
+    const auto& grad = p.value().grad();
+    out.emplace_back(p.key(), grad.defined() ? grad.detach().clone() : torch::zeros_like(p.value()));
+  }
+  return out;
+}
+
+c10::IValue Engine::full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only) {
+  std::vector<NamedParamState> states;
+  SteppedNames names;
+  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
+    if (!p.value().requires_grad()) continue;
+    states.push_back({p.key(), get_param_state(optimizer, p.value())});
+    names[p.value().unsafeGetTensorImpl()] = {p.key()};
+  }
+  const bool receiver = !rank0_only || !comm() || comm()->rank() == 0;
+  return receiver ? optim_state_value(states, optimizer, names) : c10::impl::GenericDict(c10::StringType::get(),
+                                                                                        c10::AnyType::get());
+}
+
+void Engine::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {
+  const auto states = optim_states_of(state);
+  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
+    if (!p.value().requires_grad()) continue;
+    auto it = states.find(p.key());
+    set_param_state(optimizer, p.value(), it == states.end() ? ParamState{} : it->second);
+  }
+}
+
 void Engine::set_global_item_count(int64_t /*items*/) {
-  throw ConfigError(fmt::format("{} does not support Reduction::GlobalMean; use DistributedDataParallel", name()));
+  throw ConfigError(fmt::format("{} does not support Reduction::GlobalMean", name()));
 }
 
 namespace detail {
@@ -32,6 +73,11 @@ void require_global_mean(const Engine& engine) {
   if (engine.reduction() != Reduction::GlobalMean) {
     throw ConfigError(fmt::format("accumulate_global_mean needs an engine built with Reduction::GlobalMean; this {} "
                                   "reduces with {}", engine.name(), to_string(engine.reduction())));
+  }
+  if (engine.reduces_every_micro_step()) {
+    throw ConfigError(fmt::format("{}: Reduction::GlobalMean divides by the step's item count, known only before the "
+                                  "last micro-step; reducing every micro-step cannot use it (accumulate unsharded "
+                                  "gradients instead)", engine.name()));
   }
 }
 

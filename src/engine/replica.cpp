@@ -28,11 +28,4 @@ void BufferSync::before_forward(Collectives& comm) {
   if (enabled_ && required_ && comm.size() > 1 && !buffers_.empty()) comm.broadcast_coalesced(buffers_, root_);
 }
 
-void require_mean_or_sum(const std::string& who, Reduction reduction) {
-  if (reduction != Reduction::Mean && reduction != Reduction::Sum) {
-    throw ConfigError(fmt::format("{}: reduction {} is not supported; expected mean or sum (GlobalMean needs "
-                                  "DistributedDataParallel)", who, to_string(reduction)));
-  }
-}
-
 }  // namespace gradsync

@@ -1,5 +1,5 @@
 // defines: what every data-parallel engine does to become a replica of rank 0's model (set_up_replica), the buffer
-// rule they all follow (BufferSync), and the reductions the sharded engines accept.
+// rule they all follow (BufferSync).
 #pragma once
 #include <string>
 #include <vector>
@@ -7,7 +7,6 @@
 #include <torch/torch.h>
 
 #include "gradsync/collectives.h"
-#include "gradsync/reduction.h"
 
 namespace gradsync {
 
@@ -42,8 +41,5 @@ class BufferSync {
   bool required_ = true;
   int root_ = 0;
 };
-
-// The sharded engines reduce with Mean or Sum; GlobalMean needs DDP's reducer (ConfigError naming `who`).
-void require_mean_or_sum(const std::string& who, Reduction reduction);
 
 }  // namespace gradsync

@@ -57,6 +57,34 @@ FlatParam::FlatParam(const UnitPlan& plan, int rank, int world, bool sharded, co
   shard_.requires_grad_(true);
   gathered_ = true;
   bind_params_to_full();
+  make_pieces();
+}
+
+// [lo, hi) of each parameter within this rank's shard, as views of the shard's storage: what an optimizer over the
+// original parameters steps in place.
+void FlatParam::make_pieces() {
+  for (const auto& e : entries_) {
+    const int64_t lo = std::max(e.offset, shard_offset_);
+    const int64_t hi = std::min(e.offset + e.numel, shard_offset_ + shard_numel_);
+    auto piece = shard_.detach().narrow(0, hi > lo ? lo - shard_offset_ : 0, std::max<int64_t>(hi - lo, 0));
+    piece.requires_grad_(true);
+    pieces_.push_back(piece);
+  }
+}
+
+int64_t FlatParam::piece_offset(size_t i) const { return pieces_[i].storage_offset() - shard_.storage_offset(); }
+
+void FlatParam::bind_piece_grads() {
+  const auto& grad = shard_.grad();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    auto& piece = pieces_[i];
+    piece.mutable_grad() = grad.defined() ? grad.narrow(0, piece_offset(i), piece.numel()) : torch::Tensor();
+  }
+}
+
+void FlatParam::clear_shard_grad() {
+  shard_.mutable_grad() = torch::Tensor();
+  bind_piece_grads();
 }
 
 void FlatParam::bind_params_to_full() {
@@ -134,21 +162,19 @@ void FlatParam::release_grad_buffer() {
   grad_buffer_ = torch::Tensor();
 }
 
-void FlatParam::reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats) {
-  start_reduce(comm, reduction, stats);
+void FlatParam::reduce_grads(Collectives& comm, double factor, CommStats& stats) {
+  start_reduce(comm, factor, stats);
   finish_reduce();
 }
 
-void FlatParam::start_reduce(Collectives& comm, Reduction reduction, CommStats& stats) {
+void FlatParam::start_reduce(Collectives& comm, double factor, CommStats& stats) {
   ensure_grad_buffer();  // a unit that received no gradient on this rank contributes zeros
   torch::NoGradGuard no_grad;
   const auto reduce_dtype = precision_.reduce(master_dtype_);
   const auto wire_dtype = gloo_reduce_dtype(reduce_dtype);
   auto grad = grad_buffer_.scalar_type() == reduce_dtype ? grad_buffer_ : grad_buffer_.to(reduce_dtype);
-  if (reduction == Reduction::Mean && world_ > 1) {
-    // See Note [Where the division happens]: x 1/N first, then a SUM, as DDP does (in the reduce dtype).
-    grad.mul_(1.0 / world_);
-  }
+  // See Note [Where the division happens]: x 1/N (or 1/T) first, then a SUM, as DDP does (in the reduce dtype).
+  if (factor != 1.0) grad.mul_(factor);
   if (wire_dtype != reduce_dtype) grad = grad.to(wire_dtype);  // See Note [Mixed precision on Gloo]
   if (world_ == 1) {
     reduced_ = grad.narrow(0, 0, shard_numel_);
@@ -180,16 +206,24 @@ void FlatParam::finish_reduce() {
     // views of it, so the shard gradient owns it from here.
     shard_grad = mine.contiguous();
   }
+  bind_piece_grads();
   release_grad_buffer();
 }
 
-torch::Tensor FlatParam::full_master(Collectives& comm) {
+torch::Tensor FlatParam::gather_shards(Collectives& comm, const torch::Tensor& mine) const {
   torch::NoGradGuard no_grad;
-  if (!sharded_ || world_ == 1) return shard_.detach();
-  auto full = torch::empty({padded_numel_}, shard_.options().requires_grad(false));
+  if (!sharded_ || world_ == 1) return mine;
+  auto full = torch::empty({padded_numel_}, mine.options().requires_grad(false));
   auto output = gloo_copyable(full);
-  comm.allgather_flat(gloo_copyable(shard_.detach()), output);
+  comm.allgather_flat(gloo_copyable(mine), output);
   return full;
+}
+
+torch::Tensor FlatParam::full_master(Collectives& comm) { return gather_shards(comm, shard_.detach()); }
+
+torch::Tensor FlatParam::full_master_grad(Collectives& comm) {
+  const auto& grad = shard_.grad();
+  return gather_shards(comm, grad.defined() ? grad.detach() : torch::zeros_like(shard_.detach()));
 }
 
 void FlatParam::load_full_master(const torch::Tensor& full) {
@@ -219,6 +253,14 @@ MemoryBreakdown count_memory(const std::vector<FlatParam*>& flats, const torch::
     f->count_grads(grads);
   }
   return {params.bytes(), grads.bytes(), optimizer ? optimizer_state_bytes(*optimizer) : 0};
+}
+
+torch::OrderedDict<std::string, torch::Tensor> named_pieces(const std::vector<FlatParam*>& flats) {
+  torch::OrderedDict<std::string, torch::Tensor> out;
+  for (const auto* f : flats) {
+    for (size_t i = 0; i < f->entries().size(); ++i) out.insert(f->entries()[i].name, f->pieces()[i]);
+  }
+  return out;
 }
 
 std::vector<ShardSlot> shard_slots(const std::vector<FlatParam*>& flats) {

@@ -55,6 +55,13 @@ class FlatParam {
 
   // The master shard: a leaf that requires grad, in the model's dtype. Build the optimizer over these.
   torch::Tensor& shard() { return shard_; }
+  const torch::Tensor& shard() const { return shard_; }
+  // This rank's part of each parameter (entries() order): 1-D leaves that require grad, views of the shard's storage
+  // (empty where the parameter lies outside the shard), their gradients views of the shard's after each
+  // reduction. What optimizer parameter groups over the original names step.
+  const std::vector<torch::Tensor>& pieces() const { return pieces_; }
+  int64_t piece_offset(size_t i) const;  // where piece i starts within the shard
+  void clear_shard_grad();  // the shard's gradient and its pieces' become undefined
 
   bool gathered() const { return gathered_; }
   // The full buffer is the master shard itself (one owner, no casting): nothing to gather or free.
@@ -73,19 +80,25 @@ class FlatParam {
   // Allocates the zeroed unsharded gradient buffer and points every parameter's .grad at its region (a gradient
   // autograd created elsewhere is copied in first). No-op when allocated.
   void ensure_grad_buffer();
-  // Reduces the unsharded gradient over ranks (see Note [Where the division happens]) in the reduce dtype (see
-  // Note [Mixed precision on Gloo]), adds this rank's part to shard().grad() (sets it when undefined), then
-  // releases the buffer: reduce-scatter when sharded, allreduce otherwise.
-  void reduce_grads(Collectives& comm, Reduction reduction, CommStats& stats);  // start_reduce + finish_reduce
+  // Reduces the unsharded gradient over ranks in the reduce dtype (see Note [Mixed precision on Gloo]): multiplied
+  // by `factor` first (1/N for Mean, 1 for Sum, 1/T for GlobalMean: Note [Where the division happens]), then
+  // SUMmed; adds this rank's part to shard().grad() (sets it when undefined), then releases the buffer:
+  // reduce-scatter when sharded, allreduce otherwise.
+  void reduce_grads(Collectives& comm, double factor, CommStats& stats);  // start_reduce + finish_reduce
   // The same in two halves: the reduction starts (the gradient buffer must not change until finish_reduce(), which
   // waits for it, adds this rank's part into shard().grad() and releases the buffer). finish_reduce() is a no-op
   // when none is in flight.
-  void start_reduce(Collectives& comm, Reduction reduction, CommStats& stats);
+  void start_reduce(Collectives& comm, double factor, CommStats& stats);
   void finish_reduce();
   void release_grad_buffer();  // .grad of the parameters becomes undefined
 
   // The full padded master values, gathered from every rank (a collective when sharded).
   torch::Tensor full_master(Collectives& comm);
+  // The same of the shard's gradient (zeros where undefined).
+  torch::Tensor full_master_grad(Collectives& comm);
+  // Every rank's `mine` (a tensor of shard_numel() values: a shard's gradient, its optimizer state) as one padded
+  // whole; a collective when sharded.
+  torch::Tensor gather_shards(Collectives& comm, const torch::Tensor& mine) const;
   // Takes this rank's part of `full` (padded_numel master values) as its shard; the full buffer is freed so the
   // next gather sees the new values.
   void load_full_master(const torch::Tensor& full);
@@ -95,6 +108,8 @@ class FlatParam {
 
  private:
   void bind_params_to_full();
+  void make_pieces();
+  void bind_piece_grads();
   void fill_full(Collectives& comm, CommStats& stats);
 
   std::string name_;
@@ -106,6 +121,7 @@ class FlatParam {
   c10::ScalarType master_dtype_ = torch::kFloat, compute_dtype_ = torch::kFloat;
   int64_t numel_ = 0, padded_numel_ = 0, shard_numel_ = 0, shard_offset_ = 0;
   torch::Tensor shard_;        // master shard (leaf, requires grad)
+  std::vector<torch::Tensor> pieces_;  // views of shard_, one per entry
   torch::Tensor full_;         // full buffer in the compute dtype; storage freed when not gathered
   torch::Tensor grad_buffer_;  // unsharded gradient (compute dtype), undefined when released
   PendingWork gather_work_;    // the all-gather into full_ in flight, if any
@@ -114,6 +130,9 @@ class FlatParam {
   bool aliases_master_ = false;
   bool gathered_ = false;
 };
+
+// Every flat parameter's pieces under their parameters' names, in the flats' order.
+torch::OrderedDict<std::string, torch::Tensor> named_pieces(const std::vector<FlatParam*>& flats);
 
 // What a sharded checkpoint saves of each flat parameter and loads into it (sharded_checkpoint.h), in order.
 std::vector<ShardSlot> shard_slots(const std::vector<FlatParam*>& flats);

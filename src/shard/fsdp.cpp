@@ -10,6 +10,7 @@
 #include "common/consistency.h"
 #include "gradsync/error.h"
 #include "engine/replica.h"
+#include "shard/full_optim_state.h"
 #include "shard/full_state.h"
 #include "shard/sharded_checkpoint.h"
 #include "shard/sharded_units.h"
@@ -38,14 +39,25 @@ FullyShardedDataParallel::FullyShardedDataParallel(const ModuleRef& module, std:
   s.world = std::move(world);
   s.options = std::move(options);
   s.self = units_;
-  require_mean_or_sum(kWho, s.options.reduction());
+  if (s.options.reduction() == Reduction::GlobalMean &&
+      s.options.accumulation() == ShardedAccumulation::ReduceEveryMicroStep) {
+    throw ConfigError(fmt::format("{}: Reduction::GlobalMean divides by the step's item count, known only before the "
+                                  "last micro-step; it needs ShardedAccumulation::UnshardedGradients", kWho));
+  }
   s.build(kWho);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() = default;
 
 torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& input) {
-  return forward_with([&] { return units_->run_sequential(input); });
+  if (const auto missing = units_->units_without_slot(); !missing.empty()) {
+    throw ConfigError(fmt::format("{}: unit(s) {} are not elements of a torch::nn::Sequential, so forward(x) cannot "
+                                  "run them; call forward_with(body) with unit(name, fn) around each, or choose units "
+                                  "that are (--wrap type:NAME or list:NAME)", kWho, fmt::join(missing, ", ")));
+  }
+  const auto& precision = units_->options.mixed_precision();
+  const bool cast = precision.param_dtype && input.is_floating_point();
+  return Engine::forward(cast ? input.to(*precision.param_dtype) : input);
 }
 
 torch::Tensor FullyShardedDataParallel::unit(const std::string& name, const std::function<torch::Tensor()>& fn) {
@@ -65,8 +77,14 @@ void FullyShardedDataParallel::set_require_sync(bool sync) { units_->require_bac
 void FullyShardedDataParallel::begin_forward() { units_->begin_forward(); }
 void FullyShardedDataParallel::end_forward() { units_->end_forward(); }
 void FullyShardedDataParallel::abort_forward() { units_->abort_forward(); }
-void FullyShardedDataParallel::begin_step(int64_t micro_batches) { units_->agree_micro_batches(micro_batches); }
+int64_t FullyShardedDataParallel::begin_step(int64_t micro_batches) {
+  return units_->agree_micro_batches(micro_batches);
+}
+void FullyShardedDataParallel::join_forward() { units_->join_forward(); }
 void FullyShardedDataParallel::join_backward() { units_->join_backward(); }
+void FullyShardedDataParallel::set_global_item_count(int64_t items) {
+  units_->global_items = items;  // used by a GlobalMean reduction only
+}
 void FullyShardedDataParallel::continue_accumulation() { units_->buffers.continue_accumulation(); }
 
 bool FullyShardedDataParallel::reduces_every_micro_step() const {
@@ -79,9 +97,13 @@ std::vector<torch::Tensor> FullyShardedDataParallel::parameters() const {
   return out;
 }
 
+torch::OrderedDict<std::string, torch::Tensor> FullyShardedDataParallel::named_parameters() {
+  return named_pieces(units_->flat_views);
+}
+
 void FullyShardedDataParallel::zero_grad() {
   for (auto& f : units_->flats) {
-    f->shard().mutable_grad() = torch::Tensor();
+    f->clear_shard_grad();
     f->release_grad_buffer();
   }
   units_->sample_memory();
@@ -102,9 +124,24 @@ StateDict FullyShardedDataParallel::state_dict(bool rank0_only) {
   return full_state_dict(s.comm(), *s.module, s.flat_views, s.buffers.buffers(), !rank0_only, /*gather=*/true);
 }
 
+StateDict FullyShardedDataParallel::full_gradients() {
+  auto& s = *units_;
+  return full_gradient_dict(s.comm(), *s.module, s.flat_views);
+}
+
+c10::IValue FullyShardedDataParallel::full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only) {
+  auto& s = *units_;
+  return sharded_optim_state_value(s.comm(), s.flat_views, optimizer, rank0_only);
+}
+
+void FullyShardedDataParallel::load_full_optim_state_dict(torch::optim::Optimizer& optimizer,
+                                                          const c10::IValue& state) {
+  scatter_optim_states(units_->flat_views, optimizer, optim_states_of(state));
+}
+
 void FullyShardedDataParallel::load_state_dict(const StateDict& state) {
   auto& s = *units_;
-  load_full_state_dict(s.comm(), kWho, *s.module, s.flat_views, s.buffers.buffers(), state);
+  load_full_state_dict(s.comm(), kWho, *s.module, s.flat_views, state);
   s.sample_memory();
 }
 

@@ -1,6 +1,8 @@
 // Full state dicts of sharded models (see full_state.h).
 #include "shard/full_state.h"
 
+#include <set>
+
 #include <fmt/format.h>
 
 #include "common/consistency.h"
@@ -45,9 +47,21 @@ StateDict full_state_dict(Collectives& comm, const torch::nn::Module& module, co
   return out;
 }
 
+StateDict full_gradient_dict(Collectives& comm, const torch::nn::Module& module, const std::vector<FlatParam*>& flats) {
+  std::map<std::string, torch::Tensor> values;
+  for (auto* flat : flats) {
+    auto full = flat->full_master_grad(comm);
+    for (const auto& e : flat->entries()) values[e.name] = full.narrow(0, e.offset, e.numel).view(e.shape).clone();
+  }
+  StateDict out;
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    if (auto it = values.find(p.key()); it != values.end()) out.emplace_back(p.key(), it->second);
+  }
+  return out;
+}
+
 void load_full_state_dict(Collectives& comm, const std::string& who, const torch::nn::Module& module,
-                          const std::vector<FlatParam*>& flats, const std::vector<torch::Tensor>& buffers,
-                          const StateDict& state) {
+                          const std::vector<FlatParam*>& flats, const StateDict& state) {
   const bool root_rank = comm.rank() == 0;
   fail_together(comm, fmt::format("{}: load_state_dict", who),
                 root_rank ? state_dict_mismatch(state, state_dict(module)) : "");
@@ -61,14 +75,18 @@ void load_full_state_dict(Collectives& comm, const std::string& who, const torch
     if (comm.size() > 1) comm.broadcast(full, /*root=*/0);
     flat->load_full_master(full);
   }
-  if (root_rank) {
-    std::map<const void*, bool> is_buffer;
-    for (const auto& b : buffers) is_buffer[b.unsafeGetTensorImpl()] = true;
-    for (const auto& [name, tensor] : state_dict(module)) {
-      if (is_buffer.count(tensor.unsafeGetTensorImpl())) tensor.detach().copy_(given.at(name));
-    }
+  // Everything no flat holds (buffers, frozen parameters): rank 0's values, then one broadcast.
+  std::set<std::string> in_flats;
+  for (auto* flat : flats) {
+    for (const auto& e : flat->entries()) in_flats.insert(e.name);
   }
-  if (comm.size() > 1 && !buffers.empty()) comm.broadcast_coalesced(buffers, /*root=*/0);
+  std::vector<torch::Tensor> replicated;
+  for (const auto& [name, tensor] : state_dict(module)) {
+    if (in_flats.count(name)) continue;
+    if (root_rank) tensor.detach().copy_(given.at(name));
+    replicated.push_back(tensor.detach());
+  }
+  if (comm.size() > 1 && !replicated.empty()) comm.broadcast_coalesced(replicated, /*root=*/0);
 }
 
 }  // namespace gradsync

@@ -22,11 +22,14 @@ StateDict full_state_dict(Collectives& comm, const torch::nn::Module& module,
                           const std::vector<FlatParam*>& flats, const std::vector<torch::Tensor>& buffers,
                           bool all_ranks, bool gather);
 
+// Collective. The whole reduced gradient of every parameter the flats hold (zeros where a shard has none), on every
+// rank, in the module's parameter order.
+StateDict full_gradient_dict(Collectives& comm, const torch::nn::Module& module, const std::vector<FlatParam*>& flats);
+
 // Collective. Checks rank 0's `state` against the module (strict: missing, unexpected, mis-shaped keys fail on
 // every rank, naming them; nothing is modified), broadcasts each flat's values and takes this rank's shard of them
-// (the full buffers are freed: the next gather sees the new values), then rank 0's buffers.
+// (the full buffers are freed: the next gather sees the new values), then rank 0's buffers and frozen parameters.
 void load_full_state_dict(Collectives& comm, const std::string& who, const torch::nn::Module& module,
-                          const std::vector<FlatParam*>& flats, const std::vector<torch::Tensor>& buffers,
-                          const StateDict& state);
+                          const std::vector<FlatParam*>& flats, const StateDict& state);
 
 }  // namespace gradsync

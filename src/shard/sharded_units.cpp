@@ -26,14 +26,13 @@ void ShardedUnits::gather(size_t u, OrderCheck::Op op) {
   flats[u]->wait_gathered();  // a prefetched unit: its all-gather ends here
 }
 
-// Every unit collective starts here or in start_reduce(), so the order check and the join replay see them all, in
-// the order every rank issues them.
+// Every unit collective starts here or in start_reduce(), so the order check sees them all, in the order every rank
+// issues them.
 void ShardedUnits::start_gather(size_t u, OrderCheck::Op op) {
   auto& flat = *flats[u];
   if (flat.gathered()) return;
   order->expect(comm(), op, u, flat.padded_numel());
   flat.start_gather(comm(), traffic);
-  step_collectives.emplace_back(op, u);
   sample_memory();
 }
 
@@ -46,8 +45,7 @@ void ShardedUnits::reduce(size_t u) {
 void ShardedUnits::start_reduce(size_t u) {
   auto& flat = *flats[u];
   order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
-  flat.start_reduce(comm(), options.reduction(), traffic);
-  step_collectives.emplace_back(OrderCheck::Op::ReduceGrad, u);
+  flat.start_reduce(comm(), grad_factor(), traffic);
 }
 
 void ShardedUnits::finish_reductions(size_t keep_in_flight) {
@@ -80,7 +78,7 @@ void ShardedUnits::prefetch_backward() {
 void ShardedUnits::begin_forward() {
   if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kWho));
   in_forward = true;
-  step_collectives.clear();
+  events.clear();
   forward_order.clear();
   for (size_t u = 0; u < progress.size(); ++u) progress[u] = Progress{false, flats[u]->params().size(), false};
   buffers.before_forward(comm());
@@ -92,62 +90,52 @@ void ShardedUnits::begin_forward() {
   sample_memory();
 }
 
-torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn, std::optional<size_t> next) {
-  if (!in_forward) {
-    throw Error(fmt::format("{}: unit('{}') called outside forward_with()", kWho, flats[u]->name()));
-  }
+void ShardedUnits::record(Event::Kind kind, size_t u, bool needs_backward) {
+  if (!replaying) events.push_back({kind, u, needs_backward});
+}
+
+// The forward reaches unit u: gathered, and the unit after it in plan order (the order of a Sequential's elements)
+// prefetched, within kMaxGatheredUnits unless SHARD_GRAD_OP holds every unit anyway.
+void ShardedUnits::enter_unit(size_t u) {
   gather(u, OrderCheck::Op::ForwardGather);
   forward_order.push_back(u);
-  if (next && options.prefetch()) {  // run_sequential knows the next unit: its gather overlaps this forward
-    const bool keeps_all = options.strategy() == ShardingStrategy::ShardGradOp;  // holds every unit anyway
-    if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(*next, OrderCheck::Op::ForwardGather);
+  const size_t next = u + 1;
+  if (!options.prefetch() || next >= flats.size() || is_root(next) || progress[next].needs_backward) return;
+  const bool keeps_all = options.strategy() == ShardingStrategy::ShardGradOp;
+  if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(next, OrderCheck::Op::ForwardGather);
+}
+
+void ShardedUnits::leave_unit(size_t u, bool needs_backward) {
+  progress[u].needs_backward = progress[u].needs_backward || needs_backward;
+  if (options.strategy() == ShardingStrategy::FullShard) flats[u]->free();
+}
+
+torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn) {
+  if (!in_forward) {
+    throw Error(fmt::format("{}: unit '{}' ran outside the engine's forward; call the engine's forward(x) (or "
+                            "forward_with(body) for unit(name, fn)), not the module's", kWho, flats[u]->name()));
   }
+  enter_unit(u);
   auto output = fn();
-  if (torch::GradMode::is_enabled() && output.requires_grad()) {
-    progress[u].needs_backward = true;
+  const bool needs_backward = torch::GradMode::is_enabled() && output.requires_grad();
+  if (needs_backward) {
     // Fires when the gradient of the unit's output is known, before the unit's own backward runs.
     std::weak_ptr<ShardedUnits> weak = self;
     output.register_hook([weak, u](const torch::Tensor&) {
       if (auto units = weak.lock()) units->pre_backward(u);
     });
   }
-  if (options.strategy() == ShardingStrategy::FullShard) flats[u]->free();
+  record(Event::Kind::Run, u, needs_backward);
+  leave_unit(u, needs_backward);
   return output;
 }
 
-// A torch::nn::Sequential child by child, each unit (a contiguous range of children) gathered around its children.
-torch::Tensor ShardedUnits::run_sequential(const torch::Tensor& input) {
-  auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(module);
-  if (!sequential) {
-    throw ConfigError(fmt::format("{}: forward(x) drives a torch::nn::Sequential child by child; for another "
-                                  "module call forward_with(body) and unit(name, fn) around each unit", kWho));
+std::vector<std::string> ShardedUnits::units_without_slot() const {
+  std::vector<std::string> out;
+  for (const auto& plan : plans) {
+    if (!plan.is_root && !plan.has_slot()) out.push_back(plan.name);
   }
-  std::vector<int64_t> starts(sequential->size(), -1);  // which unit starts at which child (the root has none)
-  for (size_t u = 0; u < plans.size(); ++u) {
-    if (!plans[u].is_root) starts[plans[u].first_child] = static_cast<int64_t>(u);
-  }
-  auto x = input;
-  const auto& precision = options.mixed_precision();
-  if (precision.param_dtype && x.is_floating_point()) x = x.to(*precision.param_dtype);
-  auto children = sequential->begin();
-  for (size_t i = 0; i < sequential->size();) {
-    if (starts[i] < 0) {
-      x = children[static_cast<int64_t>(i)].forward(x);
-      ++i;
-      continue;
-    }
-    const auto& plan = plans[static_cast<size_t>(starts[i])];
-    std::optional<size_t> next;  // the unit this forward reaches after this one
-    for (size_t j = plan.last_child + 1; j < starts.size() && !next; ++j) {
-      if (starts[j] >= 0) next = static_cast<size_t>(starts[j]);
-    }
-    x = run_unit(static_cast<size_t>(starts[i]), [&] {
-      for (size_t j = plan.first_child; j <= plan.last_child; ++j) x = children[static_cast<int64_t>(j)].forward(x);
-      return x;
-    }, next);
-    i = plan.last_child + 1;
-  }
-  return x;
+  return out;
 }
 
 void ShardedUnits::end_forward() {
@@ -163,7 +151,12 @@ void ShardedUnits::end_forward() {
 }
 
 void ShardedUnits::start_backward() {
-  if (callback_queued) return;
+  if (callback_queued || replaying) return;  // a replay calls finalize_backward() itself
+  if (backward_sync && options.reduction() == Reduction::GlobalMean && !global_items) {
+    throw ConfigError(fmt::format("{} on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
+                                  "before the synchronising backward; use gradsync::accumulate_global_mean() or "
+                                  "set_global_item_count()", kWho, world->rank()));
+  }
   callback_queued = true;
   std::weak_ptr<ShardedUnits> weak = self;
   // Runs once the engine has finished this backward, before backward() returns.
@@ -174,6 +167,7 @@ void ShardedUnits::start_backward() {
 
 void ShardedUnits::pre_backward(size_t u) {
   start_backward();
+  record(Event::Kind::PreBackward, u);
   gather(u, OrderCheck::Op::BackwardGather);  // FULL_SHARD freed it after forward (or prefetched it)
   flats[u]->ensure_grad_buffer();
   sample_memory();
@@ -193,6 +187,7 @@ void ShardedUnits::grad_ready(size_t u) {
 
 void ShardedUnits::post_backward(size_t u) {
   auto& flat = *flats[u];
+  record(Event::Kind::PostBackward, u);
   progress[u].post_backward_done = true;
   flat.ensure_grad_buffer();
   sample_memory();  // the unit's peak: gathered parameters and unsharded gradient together
@@ -222,42 +217,38 @@ void ShardedUnits::end_synced_backward() {
   free_all();
   if (backward_sync) {
     order->end_of_synced_backward(comm());
-    last_synced_step = step_collectives;
+    global_items.reset();
   }
+  if (!replaying) last_events = events;
   for (auto& p : progress) p.needs_backward = false;
   sample_memory();
 }
 
-// A rank without data issues what its last synchronised step issued after the forward's start (begin_forward()
-// already did the root's gather), with zero gradients: the same collectives in the same order as the others.
-void ShardedUnits::join_backward() {
-  if (!backward_sync) {
-    throw ConfigError(fmt::format("{} on rank {}: a step without data needs a synchronised forward (outside "
-                                  "no_sync, with grad enabled)", kWho, world->rank()));
+// A shadow micro-step replays the last completed one's events through the functions that issued its collectives,
+// so it issues the same ones in the same order (begin_forward() already gathered the root).
+void ShardedUnits::join_forward() {
+  if (!last_events) {
+    throw ConfigError(fmt::format("{} on rank {}: a micro-step without data needs a completed micro-step of this "
+                                  "rank's own first (its unit events are replayed)", kWho, world->rank()));
   }
-  if (!last_synced_step) {
-    throw ConfigError(fmt::format("{} on rank {}: a step without data can be joined only after this rank has run "
-                                  "one synchronised step (its unit collectives are replayed)", kWho, world->rank()));
+  replaying = true;
+  for (const auto& e : *last_events) {
+    if (e.kind != Event::Kind::Run) continue;
+    enter_unit(e.unit);
+    leave_unit(e.unit, e.needs_backward && torch::GradMode::is_enabled());
   }
-  const auto replay_of = *last_synced_step;
-  for (size_t i = step_collectives.size(); i < replay_of.size(); ++i) replay(replay_of[i]);
-  end_synced_backward();
+  replaying = false;
 }
 
-// One recorded collective again, with what the original did around it: a forced gather (the unit may still be
-// gathered here), zeros reduced, and FULL_SHARD's frees, so the joiner holds no more than one unit at a time.
-void ShardedUnits::replay(const Collective& collective) {
-  const auto [op, u] = collective;
-  const bool full_shard = options.strategy() == ShardingStrategy::FullShard;
-  if (op == OrderCheck::Op::ReduceGrad) {
-    flats[u]->ensure_grad_buffer();  // zeros
-    reduce(u);
-    if (full_shard) flats[u]->free();
-    return;
+void ShardedUnits::join_backward() {
+  if (!last_events) join_forward();  // throws: nothing to replay
+  replaying = true;
+  for (const auto& e : *last_events) {
+    if (e.kind == Event::Kind::PreBackward && progress[e.unit].needs_backward) pre_backward(e.unit);
+    if (e.kind == Event::Kind::PostBackward && progress[e.unit].needs_backward) post_backward(e.unit);
   }
-  flats[u]->free();
-  gather(u, op);
-  if (full_shard && op == OrderCheck::Op::ForwardGather && !is_root(u)) flats[u]->free();
+  finalize_backward();
+  replaying = false;
 }
 
 void ShardedUnits::abort_forward() {
@@ -267,28 +258,35 @@ void ShardedUnits::abort_forward() {
   sample_memory();
 }
 
-void ShardedUnits::agree_micro_batches(int64_t micro_batches) {
-  if (size() == 1) return;
-  const auto mine = torch::tensor({micro_batches, static_cast<int64_t>(last_synced_step.has_value())}, torch::kLong);
+int64_t ShardedUnits::agree_micro_batches(int64_t micro_batches) {
+  if (size() == 1) return std::max<int64_t>(micro_batches, 1);
+  const auto mine = torch::tensor({micro_batches, static_cast<int64_t>(last_events.has_value())}, torch::kLong);
   auto all = torch::empty({2 * size()}, torch::kLong);
   comm().allgather_flat(mine, all);
-  const int64_t* v = all.data_ptr<int64_t>();  // rank r: v[2r] micro-batches, v[2r+1] has a step to replay
-  bool equal = true, joinable = true;
-  std::vector<std::string> ranks;
+  const int64_t* v = all.data_ptr<int64_t>();  // rank r: v[2r] micro-batches, v[2r+1] has a micro-step to replay
+  int64_t most = 0;
+  for (int r = 0; r < size(); ++r) most = std::max(most, v[2 * r]);
+  std::vector<std::string> stuck, ranks;
   for (int r = 0; r < size(); ++r) {
-    const int64_t k = v[2 * r];
-    const bool can_join = v[2 * r + 1] != 0;
-    equal = equal && k == v[0];
-    joinable = joinable && (k == 1 || (k == 0 && can_join));
-    ranks.push_back(k == 0 && !can_join ? fmt::format("rank {}: 0 (no synchronised step of its own yet)", r)
-                                        : fmt::format("rank {}: {}", r, k));
+    const bool replayable = v[2 * r] > 0 || v[2 * r + 1] != 0;
+    if (!replayable) stuck.push_back(std::to_string(r));
+    ranks.push_back(fmt::format("rank {}: {}", r, v[2 * r]));
   }
-  const bool all_join = equal && v[0] == 0;
-  if ((equal && !all_join) || joinable) return;
+  if (most > 0 && stuck.empty()) return most;
   throw ConfigError(fmt::format(
-      "{}: the ranks' micro-batch counts do not fit one step ({}); FSDP gathers parameters in every forward, so "
-      "every rank must run the same number of micro-batches, and a rank without data can join only a step in "
-      "which the others run one, after a synchronised step of its own", kWho, fmt::join(ranks, ", ")));
+      "{}: the ranks' micro-batch counts do not fit one step ({}); FSDP gathers parameters in every forward, so a "
+      "rank with fewer micro-batches replays its last micro-step without data, which rank(s) {} cannot do before "
+      "a micro-step of their own", kWho, fmt::join(ranks, ", "),
+      stuck.empty() ? std::string("none: no rank has a micro-batch") : fmt::format("{}", fmt::join(stuck, ", "))));
+}
+
+double ShardedUnits::grad_factor() const {
+  switch (options.reduction()) {
+    case Reduction::Mean: return 1.0 / size();
+    case Reduction::Sum: return 1.0;
+    case Reduction::GlobalMean: return global_items && *global_items > 0 ? 1.0 / static_cast<double>(*global_items) : 0;
+  }
+  return 1.0;
 }
 
 void ShardedUnits::free_all() {
@@ -296,6 +294,13 @@ void ShardedUnits::free_all() {
 }
 
 void ShardedUnits::build(const std::string& who) {
+  if (options.mixed_precision().param_dtype) {
+    for (const auto& p : module->named_parameters(/*recurse=*/true)) {
+      if (p.value().requires_grad()) continue;
+      throw ConfigError(fmt::format("{}: frozen parameter '{}' with a param dtype: frozen parameters stay whole in "
+                                    "their own dtype, which the units' compute dtype would not match", who, p.key()));
+    }
+  }
   plans = plan_units(*module, options.wrap());
   // Model and plan must agree on every rank before any unit collective is issued; rank 0's values everywhere,
   // before the parameters are flattened.
@@ -317,6 +322,12 @@ void ShardedUnits::build(const std::string& who) {
   progress.resize(flats.size());
   order = std::make_unique<OrderCheck>(names, options.order_checking());
   install_hooks();
+  std::weak_ptr<ShardedUnits> weak = self;
+  slots = std::make_unique<UnitSlots>(plans, [weak](size_t u, const std::function<torch::Tensor()>& body) {
+    auto units = weak.lock();
+    if (!units) throw Error(fmt::format("{}: a unit ran after its engine was destroyed", kWho));
+    return units->run_unit(u, body);
+  });
   free_all();  // parameters are gathered when a forward needs them
   sample_memory();
 }

@@ -1,6 +1,7 @@
 // defines: ShardedUnits, the machinery behind FullyShardedDataParallel (fsdp.h draws one unit's life): the units'
 // flat parameters, when each is gathered, freed and reduced during forward and backward, the hooks that tell it,
-// and the replay of a step's unit collectives for a rank that joins without data.
+// and the replay of a micro-step's unit events for a rank that takes part in one without data (Note [Shadow
+// micro-steps] in docs/semantics.md).
 #pragma once
 #include <cstddef>
 #include <deque>
@@ -19,6 +20,7 @@
 #include "gradsync/stats.h"
 #include "shard/flat_param.h"
 #include "shard/order_check.h"
+#include "shard/unit_slots.h"
 #include "shard/wrap_policy.h"
 
 namespace gradsync {
@@ -31,7 +33,14 @@ class ShardedUnits {
     size_t pending = 0;           // parameters whose gradient has not arrived in this backward
     bool post_backward_done = false;
   };
-  using Collective = std::pair<OrderCheck::Op, size_t>;  // what, and which unit
+  // What a micro-step did, unit by unit: its forward ran the unit (and whether a backward will reach it), the
+  // unit's backward started, its gradient was complete. Replaying these through the same functions issues the same
+  // collectives in the same order, synchronised or not.
+  struct Event {
+    enum class Kind { Run, PreBackward, PostBackward } kind;
+    size_t unit;
+    bool needs_backward = false;  // Run only
+  };
 
   std::shared_ptr<torch::nn::Module> module;
   std::shared_ptr<World> world;
@@ -46,6 +55,7 @@ class ShardedUnits {
   BufferSync buffers;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
   std::unique_ptr<OrderCheck> order;
+  std::unique_ptr<UnitSlots> slots;  // last member but the state below: restored before the units go
   mutable MemoryMeter meter;
   CommStats traffic;
   const torch::optim::Optimizer* optimizer = nullptr;
@@ -54,10 +64,12 @@ class ShardedUnits {
   bool backward_sync = false;  // decided at forward time, used by the coming backward
   bool callback_queued = false;
   bool in_forward = false;
-  std::vector<Collective> step_collectives;                // this forward/backward's, in order
-  std::vector<size_t> forward_order;                       // units in the order this forward ran them
-  std::deque<size_t> reductions_in_flight;                 // started in backward, oldest first
-  std::optional<std::vector<Collective>> last_synced_step;  // the last synchronised one's: what a joiner replays
+  bool replaying = false;                           // a shadow micro-step: events are not recorded
+  std::optional<int64_t> global_items;              // Reduction::GlobalMean: the step's items over all ranks
+  std::vector<Event> events;                        // this micro-step's, in order
+  std::optional<std::vector<Event>> last_events;    // the last completed micro-step's: what a shadow one replays
+  std::vector<size_t> forward_order;                // units in the order this forward ran them
+  std::deque<size_t> reductions_in_flight;          // started in backward, oldest first
 
   Collectives& comm() { return world->comm(); }
   int size() const { return world->size(); }
@@ -69,19 +81,29 @@ class ShardedUnits {
   void sample_memory() const;
   void begin_forward();
   void end_forward();
-  // Gathers unit u, runs fn, and arms its pre-backward hook; `next` (the unit the forward reaches after it, when
-  // known) has its all-gather started before fn runs (FsdpOptions::prefetch).
-  torch::Tensor run_unit(size_t u, const std::function<torch::Tensor()>& fn, std::optional<size_t> next = {});
-  torch::Tensor run_sequential(const torch::Tensor& input);
+  // Gathers unit u, runs fn, and arms its pre-backward hook; the unit after it in plan order has its all-gather
+  // started before fn runs (FsdpOptions::prefetch).
+  torch::Tensor run_unit(size_t u, const std::function<torch::Tensor()>& fn);
+  // Units without a slot (wrap_policy.h), which only forward_with() + unit() can run.
+  std::vector<std::string> units_without_slot() const;
   void pre_backward(size_t u);
   void grad_ready(size_t u);
+  // A shadow micro-step: the last completed micro-step's events replayed, forward part and backward part, with
+  // zero gradients (or what no_sync micro-steps accumulated).
+  void join_forward();
   void join_backward();
   void free_all();
   void abort_forward();
-  // The ranks' micro-batch counts for this step fit FSDP's collectives, or every rank throws ConfigError.
-  void agree_micro_batches(int64_t micro_batches);
+  // The micro-steps every rank takes part in this step (the largest count); a rank with fewer runs shadow
+  // micro-steps after its own. Every rank throws ConfigError, naming the ranks, where one has nothing to replay.
+  int64_t agree_micro_batches(int64_t micro_batches);
+  // What the gradient is multiplied by before the SUM (Note [Where the division happens]): 1/N, 1, or 1/T.
+  double grad_factor() const;
 
  private:
+  void record(Event::Kind kind, size_t u, bool needs_backward = false);
+  void enter_unit(size_t u);
+  void leave_unit(size_t u, bool needs_backward);
   void gather(size_t u, OrderCheck::Op op);
   void start_gather(size_t u, OrderCheck::Op op);
   void reduce(size_t u);
@@ -94,7 +116,6 @@ class ShardedUnits {
   void finalize_backward();
   void end_synced_backward();
   void install_hooks();
-  void replay(const Collective& collective);
 };
 
 }  // namespace gradsync

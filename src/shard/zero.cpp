@@ -3,6 +3,7 @@
 #include "gradsync/zero.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include "common/clip_grad.h"
@@ -11,8 +12,10 @@
 #include "engine/replica.h"
 #include "gradsync/error.h"
 #include "shard/flat_param.h"
+#include "shard/full_optim_state.h"
 #include "shard/full_state.h"
 #include "shard/sharded_checkpoint.h"
+#include "shard/wrap_policy.h"
 
 namespace gradsync {
 
@@ -21,7 +24,8 @@ class Zero1Shard {
   std::shared_ptr<torch::nn::Module> module;
   std::shared_ptr<World> world;
   ZeroOptions options;
-  std::unique_ptr<FlatParam> flat;  // every parameter, sharded; the full buffer stays gathered
+  std::vector<std::unique_ptr<FlatParam>> owned;  // one per unit (ZeroOptions::wrap), sharded; full buffers stay
+  std::vector<FlatParam*> flats;                  // gathered; the same, as the pointers the helpers take
   BufferSync buffers;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
   const torch::optim::Optimizer* optimizer = nullptr;
@@ -30,6 +34,7 @@ class Zero1Shard {
   bool require_backward_sync = true;
   bool backward_sync = false;    // decided at forward time
   bool callback_queued = false;
+  std::optional<int64_t> global_items;  // Reduction::GlobalMean: the step's items over all ranks
   // A reduction has happened and the training forward that follows it has not re-gathered yet: the user's
   // optimizer.step() (which gradsync cannot see: libtorch optimizers update p.data(), bumping no version counter)
   // may have changed the slice. Gathers for state_dict(), sync_parameters() or a no-grad forward keep it set, so a
@@ -37,20 +42,39 @@ class Zero1Shard {
   bool pending_update = false;
 
   Collectives& comm() { return world->comm(); }
-  void sample_memory() const { meter.sample(count_memory({flat.get()}, optimizer)); }
-  std::vector<ShardSlot> slots() const { return shard_slots({flat.get()}); }
+  void sample_memory() const { meter.sample(count_memory(flats, optimizer)); }
+  std::vector<ShardSlot> slots() const { return shard_slots(flats); }
 
   // The full parameters again from every rank's slice (collective: every rank's slice is stepped alike).
-  void regather() { flat->refresh(comm(), traffic); }
+  void regather() {
+    for (auto* f : flats) f->refresh(comm(), traffic);
+  }
   void regather_if_pending() {
     if (pending_update) regather();
   }
-  // Reduce-scatters the local gradient into the slice's .grad (x 1/N for Mean, see reduction.h).
+  // Reduce-scatters the local gradient into the slice's .grad (x 1/N for Mean, 1/T for GlobalMean: reduction.h).
   void reduce() {
     sample_memory();  // full local gradient and the state of the previous step: the usual peak
-    flat->reduce_grads(comm(), options.reduction(), traffic);
+    for (auto* f : flats) f->start_reduce(comm(), grad_factor(), traffic);  // every unit's in flight at once
+    for (auto* f : flats) f->finish_reduce();
+    global_items.reset();
     pending_update = true;  // optimizer.step() comes next
     sample_memory();
+  }
+  double grad_factor() const {
+    switch (options.reduction()) {
+      case Reduction::Mean: return 1.0 / world->size();
+      case Reduction::Sum: return 1.0;
+      case Reduction::GlobalMean:
+        if (!global_items) {
+          throw ConfigError(fmt::format("Zero1DataParallel on rank {}: Reduction::GlobalMean needs the step's item "
+                                        "count over all ranks before the synchronising backward; use "
+                                        "gradsync::accumulate_global_mean() or set_global_item_count()",
+                                        world->rank()));
+        }
+        return *global_items > 0 ? 1.0 / static_cast<double>(*global_items) : 0.0;
+    }
+    return 1.0;
   }
   void on_gradient(const std::weak_ptr<Zero1Shard>& self) {
     if (!backward_sync || callback_queued) return;
@@ -72,6 +96,25 @@ namespace {
 
 constexpr const char* kWho = "Zero1DataParallel";
 
+// One flat parameter of every trainable parameter (the default), or one per FSDP unit (ZeroOptions::wrap).
+std::vector<UnitPlan> zero_units(const torch::nn::Module& module, const std::optional<WrapPolicy>& wrap) {
+  std::vector<UnitPlan> plans;
+  if (wrap) {
+    plans = plan_units(module, *wrap);
+  } else {
+    UnitPlan all;
+    all.name = "all";
+    for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+      if (!p.value().requires_grad()) continue;  // frozen: whole on every rank, never communicated (as DDP)
+      all.param_names.push_back(p.key());
+      all.params.push_back(p.value());
+    }
+    if (!all.params.empty()) plans.push_back(std::move(all));
+  }
+  if (plans.empty()) throw ConfigError(fmt::format("{}: the module has no trainable parameters", kWho));
+  return plans;
+}
+
 }  // namespace
 
 Zero1DataParallel::Zero1DataParallel(const ModuleRef& module, std::shared_ptr<World> world, ZeroOptions options)
@@ -80,21 +123,23 @@ Zero1DataParallel::Zero1DataParallel(const ModuleRef& module, std::shared_ptr<Wo
   s.module = module.module;
   s.world = std::move(world);
   s.options = options;
-  require_mean_or_sum(kWho, options.reduction());
-  s.buffers = BufferSync(set_up_replica(s.comm(), kWho, *s.module), options.broadcast_buffers());
-  UnitPlan all;
-  all.name = "all";
-  for (const auto& p : s.module->named_parameters(/*recurse=*/true)) {
-    all.param_names.push_back(p.key());
-    all.params.push_back(p.value());
+  const auto plans = zero_units(*s.module, options.wrap());
+  std::vector<std::string> lines{fmt::format("wrap {}", options.wrap() ? options.wrap()->to_string() : "all")};
+  for (const auto& plan : plans) {
+    lines.push_back(fmt::format("unit {}: {}", plan.name, fmt::join(plan.param_names, ", ")));
   }
-  s.flat = std::make_unique<FlatParam>(all, s.world->rank(), s.world->size(), /*sharded=*/true, MixedPrecision{});
-  s.flat->ensure_grad_buffer();
+  s.buffers = BufferSync(set_up_replica(s.comm(), kWho, *s.module, lines), options.broadcast_buffers());
   const std::weak_ptr<Zero1Shard> weak = shard_;  // the hooks outlive the engine inside autograd's graph
-  for (const auto& p : s.flat->params()) {
-    s.accumulators.push_back(on_gradient_accumulated(p, [weak] {
-      if (auto shard = weak.lock()) shard->on_gradient(weak);
-    }));
+  for (const auto& plan : plans) {
+    s.owned.push_back(std::make_unique<FlatParam>(plan, s.world->rank(), s.world->size(), /*sharded=*/true,
+                                                  MixedPrecision{}));
+    s.flats.push_back(s.owned.back().get());
+    s.flats.back()->ensure_grad_buffer();
+    for (const auto& p : s.flats.back()->params()) {
+      s.accumulators.push_back(on_gradient_accumulated(p, [weak] {
+        if (auto shard = weak.lock()) shard->on_gradient(weak);
+      }));
+    }
   }
   s.sample_memory();
 }
@@ -107,7 +152,9 @@ void Zero1DataParallel::begin_forward() {
   s.regather_if_pending();
   if (torch::GradMode::is_enabled()) s.pending_update = false;
   s.buffers.before_forward(s.comm());
-  if (torch::GradMode::is_enabled()) s.flat->ensure_grad_buffer();
+  if (torch::GradMode::is_enabled()) {
+    for (auto* f : s.flats) f->ensure_grad_buffer();
+  }
 }
 
 void Zero1DataParallel::end_forward() {
@@ -123,19 +170,31 @@ void Zero1DataParallel::join_backward() {
     throw ConfigError(fmt::format("{} on rank {}: a step without data needs a synchronised forward (outside "
                                   "no_sync, with grad enabled)", kWho, s.world->rank()));
   }
-  s.flat->ensure_grad_buffer();  // zeros unless micro-steps accumulated into it
+  for (auto* f : s.flats) f->ensure_grad_buffer();  // zeros unless micro-steps accumulated into them
   s.backward_sync = false;
   s.reduce();
 }
 
 bool Zero1DataParallel::require_sync() const { return shard_->require_backward_sync; }
 void Zero1DataParallel::set_require_sync(bool sync) { shard_->require_backward_sync = sync; }
-std::vector<torch::Tensor> Zero1DataParallel::parameters() const { return {shard_->flat->shard()}; }
+std::vector<torch::Tensor> Zero1DataParallel::parameters() const {
+  std::vector<torch::Tensor> out;
+  for (auto* f : shard_->flats) out.push_back(f->shard());
+  return out;
+}
+
+torch::OrderedDict<std::string, torch::Tensor> Zero1DataParallel::named_parameters() {
+  return named_pieces(shard_->flats);
+}
+
+void Zero1DataParallel::set_global_item_count(int64_t items) { shard_->global_items = items; }
 
 void Zero1DataParallel::zero_grad() {
   auto& s = *shard_;
-  s.flat->shard().mutable_grad() = torch::Tensor();
-  s.flat->release_grad_buffer();
+  for (auto* f : s.flats) {
+    f->clear_shard_grad();
+    f->release_grad_buffer();
+  }
   s.sample_memory();
 }
 
@@ -151,17 +210,41 @@ void Zero1DataParallel::track_optimizer(const torch::optim::Optimizer* optimizer
 StateDict Zero1DataParallel::state_dict(bool rank0_only) {
   auto& s = *shard_;
   s.regather_if_pending();
-  return full_state_dict(s.comm(), *s.module, {s.flat.get()}, s.buffers.buffers(), !rank0_only, /*gather=*/false);
+  return full_state_dict(s.comm(), *s.module, s.flats, s.buffers.buffers(), !rank0_only, /*gather=*/false);
+}
+
+StateDict Zero1DataParallel::full_gradients() {
+  auto& s = *shard_;
+  return full_gradient_dict(s.comm(), *s.module, s.flats);
+}
+
+c10::IValue Zero1DataParallel::full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only) {
+  auto& s = *shard_;
+  return sharded_optim_state_value(s.comm(), s.flats, optimizer, rank0_only);
+}
+
+void Zero1DataParallel::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {
+  scatter_optim_states(shard_->flats, optimizer, optim_states_of(state));
 }
 
 void Zero1DataParallel::load_state_dict(const StateDict& state) {
   auto& s = *shard_;
-  load_full_state_dict(s.comm(), kWho, *s.module, {s.flat.get()}, s.buffers.buffers(), state);
+  load_full_state_dict(s.comm(), kWho, *s.module, s.flats, state);
   s.regather();
   s.pending_update = false;
 }
 
 void Zero1DataParallel::sync_parameters() { shard_->regather_if_pending(); }
+
+std::vector<UnitInfo> Zero1DataParallel::units() const {
+  std::vector<UnitInfo> out;
+  for (const auto* f : shard_->flats) {
+    std::vector<std::string> names;
+    for (const auto& e : f->entries()) names.push_back(e.name);
+    out.push_back({f->name(), names, f->numel(), f->padded_numel(), f->shard_numel(), f->full_bytes()});
+  }
+  return out;
+}
 
 void Zero1DataParallel::save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer) {
   auto& s = *shard_;

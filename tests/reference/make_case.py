@@ -13,7 +13,7 @@ Usage:
                (same builder as torch_train.py). For mlp-bn the BatchNorm parameters and buffers
                are made non-trivial so that buffer handling is tested: weight ~ 1 + 0.1 N(0,1),
                bias ~ 0.1 N(0,1), running_mean ~ 0.5 N(0,1), running_var ~ U[0.5, 1.5),
-               num_batches_tracked ~ U{1..100}.
+               num_batches_tracked ~ U{1..100}. LayerNorm (res) weight ~ 1 + 0.1 N(0,1), bias ~ 0.1 N(0,1).
 """
 import argparse
 import os
@@ -44,6 +44,9 @@ def make_state(spec, seed):
     g.manual_seed(seed + 1000003)
     with torch.no_grad():
         for m in model.modules():
+            if isinstance(m, nn.LayerNorm):  # non-trivial, so norm weights and biases are tested too
+                m.weight.copy_(1.0 + 0.1 * torch.randn(m.weight.shape, generator=g))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
             if isinstance(m, nn.BatchNorm1d):
                 c = m.num_features
                 m.weight.copy_(1.0 + 0.1 * torch.randn(c, generator=g))

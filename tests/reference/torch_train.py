@@ -10,6 +10,7 @@ Usage:
                  [--weight-decay F] [--loss ce|mse] [--loss-reduction mean|sum]
                  [--steps S | --epochs E] [--seed S] [--shuffle | --no-shuffle]
                  [--init-state FILE] [--save-state FILE] [--log FILE.jsonl] [--comm-hook none|fp16]
+                 [--freeze PREFIX[,PREFIX...]] [--no-decay-1d] [--save-optim FILE]
 
   Multi-rank: gradsync launch -n N -- /usr/bin/python3 torch_train.py ...
           or: torchrun --standalone --nproc_per_node N --no_python /usr/bin/python3 torch_train.py ...
@@ -19,6 +20,7 @@ Model specs:  mlp:IN-H1-...-OUT     Linear, ReLU, ..., Linear
               mlp-bn:IN-H1-...-OUT  Linear, BatchNorm1d, ReLU per hidden layer, final Linear
               cnn:C1-C2-OUT         Unflatten(1,(1,28,28)), Conv2d(1,C1,3,p=1), ReLU, MaxPool2d(2),
                                     Conv2d(C1,C2,3,p=1), ReLU, MaxPool2d(2), Flatten, Linear(C2*49,OUT)
+              res:IN-H-B-OUT        Res(IN, H, B, OUT): inp Linear, B Blocks h + fc(relu(norm(h))), out Linear
 Data specs:   fashion-mnist[:train|:test]   ($GRADSYNC_FASHION_MNIST_DIR overrides the directory)
               synthetic:N                    (generator recipe in load_synthetic)
               PATH                           torch.save({"inputs": X, "targets": Y}, PATH)
@@ -39,6 +41,13 @@ Semantics (mirrored by the C++ side):
     float32 into the gradients. --comm-hook none (default) is DDP's own reduction: each gradient times
     1/N in float32, then a float32 SUM all-reduce. (bf16 is refused: torch 1.13's bf16_compress_hook
     needs CUDA 11+ and NCCL 2.10+, so it cannot run on gloo/CPU.)
+  * --freeze PREFIX: parameters whose state-dict names start with a prefix get requires_grad=False before
+    DDP wraps the model (DDP then neither hooks nor reduces them); --no-decay-1d: the optimizer gets two
+    parameter groups, the parameters of more than one dimension with --weight-decay, the others (biases,
+    norm weights) with weight_decay 0.
+  * --save-optim FILE: rank 0 saves optimizer.state_dict() with every parameter id replaced by the
+    parameter's state-dict name: {"state": {name: {...}}, "param_groups": [{..., "params": [names]}]},
+    the layout of FSDP.full_optim_state_dict.
   * log "loss" = sum over the group of float(loss / K'), all_reduce(SUM) / N in float64 (only done when
     --log is given; every rank takes part); "samples" counts DistributedSampler padding repeats too.
 
@@ -74,7 +83,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 PROG = "torch_train.py"
 DEFAULT_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn|cnn):([0-9]+(?:-[0-9]+)+)$")
+MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn|cnn|res):([0-9]+(?:-[0-9]+)+)$")
 
 
 class UsageError(Exception):
@@ -90,8 +99,8 @@ def parse_model_spec(spec):
     m = MODEL_SPEC_RE.match(spec or "")
     if not m:
         raise UsageError(
-            f"model spec {spec!r} is malformed; expected mlp:IN-H1-...-OUT, mlp-bn:IN-H1-...-OUT or "
-            f"cnn:C1-C2-OUT, all positive integers (e.g. mlp:784-256-10)")
+            f"model spec {spec!r} is malformed; expected mlp:IN-H1-...-OUT, mlp-bn:IN-H1-...-OUT, "
+            f"cnn:C1-C2-OUT or res:IN-H-B-OUT, all positive integers (e.g. mlp:784-256-10)")
     sizes = [int(s) for s in m.group(2).split("-")]
     if any(s <= 0 for s in sizes):
         raise UsageError(f"model spec {spec!r}: every layer size must be > 0, got {sizes}")
@@ -99,6 +108,8 @@ def parse_model_spec(spec):
         if len(sizes) != 3:
             raise UsageError(f"model spec {spec!r}: cnn takes exactly C1-C2-OUT")
         sizes = [28 * 28] + sizes
+    if m.group(1) == "res" and len(sizes) != 4:
+        raise UsageError(f"model spec {spec!r}: res takes exactly IN-H-B-OUT")
     return m.group(1) == "mlp-bn", sizes
 
 
@@ -109,11 +120,37 @@ def build_cnn(c1, c2, out):
                          nn.Linear(c2 * 7 * 7, out))
 
 
+class Block(nn.Module):
+    def __init__(self, h):
+        super().__init__(); self.norm = nn.LayerNorm(h); self.fc = nn.Linear(h, h)
+
+    def forward(self, h):
+        return h + self.fc(torch.relu(self.norm(h)))
+
+
+class Res(nn.Module):
+    """res:IN-H-B-OUT, not a Sequential (keys inp.*, blocks.<i>.norm.*, blocks.<i>.fc.*, out.*)."""
+
+    def __init__(self, din, h, nblocks, dout):
+        super().__init__()
+        self.inp = nn.Linear(din, h)
+        self.blocks = nn.ModuleList([Block(h) for _ in range(nblocks)])
+        self.out = nn.Linear(h, dout)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
 def build_model(spec):
-    """nn.Sequential with state-dict keys '0.weight', '1.running_mean', ... (see module docstring)."""
+    """nn.Sequential with state-dict keys '0.weight', '1.running_mean', ... or Res (see module docstring)."""
     batch_norm, sizes = parse_model_spec(spec)
     if spec.startswith("cnn:"):
         return build_cnn(*sizes[1:])
+    if spec.startswith("res:"):
+        return Res(*sizes)
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
@@ -241,7 +278,7 @@ def load_dataset(spec, in_size, out_size, loss, seed):
 def build_parser():
     p = argparse.ArgumentParser(prog=PROG, description="Reference PyTorch trainer (see module docstring).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT")
+    p.add_argument("--model", required=True, help="mlp:IN-H...-OUT, mlp-bn:..., cnn:C1-C2-OUT or res:IN-H-B-OUT")
     p.add_argument("--data", required=True, help="fashion-mnist | synthetic:N | PATH")
     p.add_argument("--global-batch", type=int, required=True, metavar="B",
                    help="samples per optimizer step over all ranks and micro-steps")
@@ -253,6 +290,10 @@ def build_parser():
     p.add_argument("--lr", type=float, default=None, help="learning rate (sgd 0.01, adam 1e-3)")
     p.add_argument("--momentum", type=float, default=None, help="SGD momentum (0)")
     p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--no-decay-1d", action="store_true",
+                   help="no weight decay on parameters of one dimension (a second parameter group)")
+    p.add_argument("--freeze", default="", metavar="PREFIX[,PREFIX...]",
+                   help="freeze the parameters whose names start with a prefix")
     p.add_argument("--loss", choices=["ce", "mse"], default="ce")
     p.add_argument("--loss-reduction", choices=["mean", "sum"], default="mean")
     g = p.add_mutually_exclusive_group()
@@ -264,6 +305,7 @@ def build_parser():
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false")
     p.add_argument("--init-state", metavar="FILE", help="state dict (torch.save of a dict) to start from")
     p.add_argument("--save-state", metavar="FILE", help="rank 0 saves the final state dict here")
+    p.add_argument("--save-optim", metavar="FILE", help="rank 0 saves the optimizer state keyed by parameter names")
     p.add_argument("--log", metavar="FILE.jsonl", help="rank 0 writes one JSON line per step")
     p.add_argument("--comm-hook", default="none", metavar="none|fp16",
                    help="DDP gradient communication hook: none (default) or fp16 (fp16_compress_hook)")
@@ -338,12 +380,36 @@ def env_world_size():
 # ---------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------
-def make_optimizer(args, params):
+def make_optimizer(args, module):
+    params = [p for p in module.parameters() if p.requires_grad]
+    if args.no_decay_1d:
+        params = [{"params": [p for p in params if p.dim() > 1]},
+                  {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=0.01 if args.lr is None else args.lr,
                                momentum=args.momentum or 0.0, weight_decay=args.weight_decay)
     return torch.optim.Adam(params, lr=1e-3 if args.lr is None else args.lr,
                             weight_decay=args.weight_decay)
+
+
+def named_optim_state(module, optimizer):
+    """optimizer.state_dict() keyed by parameter names instead of ids (FSDP.full_optim_state_dict's layout)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    sd = optimizer.state_dict()
+    state = {order[i]: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+             for i, s in sd["state"].items()}
+    groups = [dict(g, params=[order[i] for i in g["params"]]) for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def freeze(module, prefixes):
+    for prefix in filter(None, prefixes.split(",")):
+        hits = [p for n, p in module.named_parameters() if n.startswith(prefix)]
+        if not hits:
+            raise UsageError(f"--freeze {prefix}: no parameter name starts with it")
+        for p in hits:
+            p.requires_grad_(False)
 
 
 def train(args, world, X, Y, tmpdir):
@@ -352,6 +418,7 @@ def train(args, world, X, Y, tmpdir):
     module = build_model(args.model)
     if args.init_state:
         load_init_state(module, args.init_state, args.model)
+    freeze(module, args.freeze)
 
     # The process group starts only after every input was validated, so bad inputs fail fast on all ranks.
     rank = 0
@@ -368,7 +435,7 @@ def train(args, world, X, Y, tmpdir):
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     model.train()
 
-    optimizer = make_optimizer(args, model.parameters())
+    optimizer = make_optimizer(args, module)
     criterion = (nn.CrossEntropyLoss if args.loss == "ce" else nn.MSELoss)(reduction=args.loss_reduction)
 
     K = args.accumulate
@@ -434,6 +501,8 @@ def train(args, world, X, Y, tmpdir):
 
     if args.save_state and rank == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.save_state)
+    if args.save_optim and rank == 0:
+        torch.save(named_optim_state(module, optimizer), args.save_optim)
     if ddp:
         dist.barrier()
         dist.destroy_process_group()

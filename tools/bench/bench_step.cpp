@@ -8,8 +8,10 @@
 #include <fmt/format.h>
 
 #include "bench/bench.h"
+#include "data/models.h"
 #include "gradsync/error.h"
 #include "launch/spawn.h"
+#include "train/flag.h"
 
 namespace gradsync::cli {
 namespace {
@@ -21,12 +23,8 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model family only here.
-void validate(const BenchConfig& c) {
-  if (c.model.rfind("mlp:", 0) != 0 && c.model.rfind("mlp-bn:", 0) != 0) {
-    throw ConfigError(fmt::format("--model '{}': bench runs mlp:IN-H...-OUT or mlp-bn:IN-H...-OUT", c.model));
-  }
-}
+// Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model spec only here.
+void validate(const BenchConfig& c) { parse_flag("--model", c.model, parse_model_spec); }
 
 int ranks_of(const BenchConfig& c) { return c.strategy == "local" ? 1 : c.world_size; }
 

@@ -27,9 +27,34 @@ def peak_rss():
                 return int(line.split()[1]) * 1024
     return -1
 
+class Block(nn.Module):
+    def __init__(self, h):
+        super().__init__(); self.norm = nn.LayerNorm(h); self.fc = nn.Linear(h, h)
+    def forward(self, h):
+        return h + self.fc(torch.relu(self.norm(h)))
+
+class Res(nn.Module):
+    def __init__(self, din, h, nblocks, dout):
+        super().__init__()
+        self.inp = nn.Linear(din, h)
+        self.blocks = nn.ModuleList([Block(h) for _ in range(nblocks)])
+        self.out = nn.Linear(h, dout)
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
 def build(spec):
     kind, sizes = spec.split(":")
     sizes = [int(s) for s in sizes.split("-")]
+    if kind == "cnn":
+        c1, c2, out = sizes
+        return nn.Sequential(nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Flatten(), nn.Linear(c2 * 7 * 7, out)), [784, out]
+    if kind == "res":
+        return Res(*sizes), [sizes[0], sizes[-1]]
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))

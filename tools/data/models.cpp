@@ -5,12 +5,14 @@
 
 #include <limits>
 
+#include "data/res_model.h"
 #include "gradsync/error.h"
 
 namespace gradsync::cli {
 namespace {
 
-constexpr const char* kAllowedSpecs = "expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT or cnn:C1-C2-OUT";
+constexpr const char* kAllowedSpecs =
+    "expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT, cnn:C1-C2-OUT or res:IN-H-B-OUT";
 constexpr int64_t kImageSide = 28;  // cnn: Fashion-MNIST's single-channel 28x28 images, flattened
 
 [[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
@@ -48,8 +50,10 @@ ModelSpec parse_model_spec(const std::string& spec) {
     out.batch_norm = true;
   } else if (kind == "cnn") {
     out.cnn = true;
+  } else if (kind == "res") {
+    out.res = true;
   } else {
-    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn, cnn)", kind));
+    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn, cnn, res)", kind));
   }
   const std::string sizes = spec.substr(colon + 1);
   if (sizes.empty()) bad_spec(spec, "no layer sizes after ':'");
@@ -68,6 +72,10 @@ ModelSpec parse_model_spec(const std::string& spec) {
                                  out.sizes.size()));
     }
     out.sizes.insert(out.sizes.begin(), kImageSide * kImageSide);
+  }
+  if (out.res && out.sizes.size() != 4) {
+    bad_spec(spec, fmt::format("res takes exactly four sizes (inputs, width, blocks, outputs), got {}",
+                               out.sizes.size()));
   }
   if (out.sizes.size() < 2) {
     bad_spec(spec, fmt::format("got {} layer size, need at least two (input and output)", out.sizes.size()));
@@ -88,14 +96,7 @@ torch::nn::Sequential make_cnn(int64_t c1, int64_t c2, int64_t out) {
                         nn::Flatten(), nn::Linear(c2 * pooled * pooled, out));
 }
 
-}  // namespace
-
-torch::nn::Sequential make_model(const ModelSpec& spec) {
-  if (spec.sizes.size() < 2) {
-    throw ConfigError(
-        fmt::format("model spec has {} layer sizes, need at least two (input and output)", spec.sizes.size()));
-  }
-  if (spec.cnn) return make_cnn(spec.sizes[1], spec.sizes[2], spec.sizes[3]);
+torch::nn::Sequential make_mlp(const ModelSpec& spec) {
   torch::nn::Sequential model;
   const std::size_t layers = spec.sizes.size() - 1;
   for (std::size_t i = 0; i < layers; ++i) {
@@ -110,7 +111,25 @@ torch::nn::Sequential make_model(const ModelSpec& spec) {
   return model;
 }
 
-torch::nn::Sequential make_model(const std::string& spec) { return make_model(parse_model_spec(spec)); }
+}  // namespace
+
+torch::nn::Sequential Model::sequential() const {
+  auto sequential = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(ref_.module);
+  if (!sequential) throw ConfigError(fmt::format("the model ({}) is not a Sequential", ref_.module->name()));
+  return torch::nn::Sequential(sequential);
+}
+
+Model make_model(const ModelSpec& spec) {
+  if (spec.sizes.size() < 2) {
+    throw ConfigError(
+        fmt::format("model spec has {} layer sizes, need at least two (input and output)", spec.sizes.size()));
+  }
+  if (spec.cnn) return Model(make_cnn(spec.sizes[1], spec.sizes[2], spec.sizes[3]));
+  if (spec.res) return Model(res::Res(spec.sizes[0], spec.sizes[1], spec.sizes[2], spec.sizes[3]));
+  return Model(make_mlp(spec));
+}
+
+Model make_model(const std::string& spec) { return make_model(parse_model_spec(spec)); }
 
 int64_t model_input_size(const std::string& spec) { return parse_model_spec(spec).input_size(); }
 

@@ -24,6 +24,7 @@
 #include "launch/backend_flag.h"
 #include "launch/launch.h"
 #include "launch/spawn.h"
+#include "train/flag.h"
 #include "data/models.h"
 
 namespace gradsync::cli {
@@ -50,6 +51,12 @@ void validate(const LabConfig& c) {
   }
   if (std::set<int>(c.world_sizes.begin(), c.world_sizes.end()).size() != c.world_sizes.size()) {
     throw ConfigError("--world-sizes lists a world size twice");
+  }
+  const auto spec = parse_flag("--model", c.model, parse_model_spec);
+  if (spec.input_size() != 784 || spec.output_size() != 10) {
+    throw ConfigError(fmt::format("--model {}: the lab trains on 28x28 images in 10 classes, so the model needs 784 "
+                                  "inputs and 10 outputs (it has {} and {})", c.model, spec.input_size(),
+                                  spec.output_size()));
   }
 }
 
@@ -150,6 +157,7 @@ struct LabCli {
   std::vector<int> world_sizes{1, 2, 4};
   std::string backend;
   std::string data = "fashion-mnist";
+  std::string model = "mlp:784-128-10";
   uint64_t seed = 0;
 };
 
@@ -163,6 +171,7 @@ int run_lab(const LabCli& cli) {
   c.world_sizes = cli.world_sizes;
   c.backend = cli.backend;
   c.data = cli.data;
+  c.model = cli.model;
   c.seed = cli.seed;
   validate(c);
   fmt::print(stderr, "[lab] sum or mean? {} run: model {}, data {}, world sizes {}\n", c.quick ? "quick" : "full",
@@ -218,6 +227,8 @@ void add_lab_command(CLI::App& root, int& exit_code) {
   cmd->add_flag("--json", cli->json, "print the results as one JSON document (progress stays on stderr)");
   cmd->add_option("--data", cli->data, "fashion-mnist (default) or synthetic:N (N >= 4096)");
   cmd->add_option("--seed", cli->seed, "seed of the model, the batch and the sampler (default 0)");
+  cmd->add_option("--model", cli->model, "the model every experiment trains: a train spec with 784 inputs and 10 "
+                  "outputs, e.g. cnn:8-16-10 or res:784-64-2-10 (default mlp:784-128-10)");
   cmd->callback([cli, &exit_code] { exit_code = run_lab(*cli); });
   add_lab_rank_command(root, exit_code);
 }

@@ -27,6 +27,8 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "data/models.h"
+
 namespace CLI {
 class App;
 }
@@ -223,7 +225,7 @@ struct LabResults {
 // ---- experiments (lab_experiments.cpp) -------------------------------------------------------------------
 
 // The lab's model with the state in `init_state` (written once by the command, so every process starts equal).
-torch::nn::Sequential lab_model(const std::string& spec, const std::string& init_state);
+Model lab_model(const std::string& spec, const std::string& init_state);
 // The first `rows` samples of the batch file the command wrote (a state-dict file with "inputs", "targets").
 std::pair<torch::Tensor, torch::Tensor> read_batch(const std::string& batch_file, int64_t rows);
 // Every parameter's .grad, flattened and concatenated in parameter order (a copy).

@@ -12,13 +12,13 @@ namespace {
 
 namespace F = torch::nn::functional;
 
-torch::Tensor summed_loss(torch::nn::Sequential& model, const torch::Tensor& x, const torch::Tensor& y) {
-  return F::cross_entropy(model->forward(x), y, F::CrossEntropyFuncOptions().reduction(torch::kSum));
+torch::Tensor summed_loss(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  return F::cross_entropy(model.forward(x), y, F::CrossEntropyFuncOptions().reduction(torch::kSum));
 }
 
 // .grad after one backward pass per consecutive block of `sizes` rows, nothing divided: of each block's
 // per-sample mean loss, or with `summed` of its summed loss.
-torch::Tensor accumulated(torch::nn::Sequential& model, const torch::Tensor& x, const torch::Tensor& y,
+torch::Tensor accumulated(Model& model, const torch::Tensor& x, const torch::Tensor& y,
                           const std::vector<int64_t>& sizes, bool summed) {
   model->zero_grad();
   int64_t offset = 0;
@@ -47,7 +47,7 @@ void distances(const RankTensor& tensor, int n, const std::string& key, const to
 
 }  // namespace
 
-void measure_divided(AccumulationResult& r, torch::nn::Sequential& model, const torch::Tensor& x,
+void measure_divided(AccumulationResult& r, Model& model, const torch::Tensor& x,
                      const torch::Tensor& y, const torch::Tensor& raw, const torch::Tensor& scaled,
                      const torch::Tensor& full, double tol) {
   const auto k = static_cast<double>(r.micro_batches);
@@ -73,7 +73,7 @@ void measure_divided(AccumulationResult& r, torch::nn::Sequential& model, const 
                                                                  : "neither";
 }
 
-FsdpAccumulationResult analyse_fsdp_accumulation(torch::nn::Sequential& model, const torch::Tensor& x,
+FsdpAccumulationResult analyse_fsdp_accumulation(Model& model, const torch::Tensor& x,
                                                  const torch::Tensor& y, int n, int64_t k, const RankTensor& tensor,
                                                  double tol) {
   FsdpAccumulationResult a;
@@ -101,7 +101,7 @@ FsdpAccumulationResult analyse_fsdp_accumulation(torch::nn::Sequential& model, c
   return a;
 }
 
-SummedLossResult analyse_summed_loss(torch::nn::Sequential& model, const torch::Tensor& x, const torch::Tensor& y,
+SummedLossResult analyse_summed_loss(Model& model, const torch::Tensor& x, const torch::Tensor& y,
                                      int n, const RankTensor& tensor, double tol) {
   model->zero_grad();
   summed_loss(model, x, y).backward();

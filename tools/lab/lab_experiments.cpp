@@ -22,12 +22,12 @@
 namespace gradsync::cli {
 namespace lab_detail {
 
-torch::Tensor mean_loss(torch::nn::Sequential& model, const torch::Tensor& x, const torch::Tensor& y) {
-  return torch::nn::functional::cross_entropy(model->forward(x), y);
+torch::Tensor mean_loss(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  return torch::nn::functional::cross_entropy(model.forward(x), y);
 }
 
 // Gradient of the per-sample mean loss over (x, y), starting from zero.
-torch::Tensor mean_loss_gradient(torch::nn::Sequential& model, const torch::Tensor& x, const torch::Tensor& y) {
+torch::Tensor mean_loss_gradient(Model& model, const torch::Tensor& x, const torch::Tensor& y) {
   model->zero_grad();
   mean_loss(model, x, y).backward();
   return flat_gradient(*model);
@@ -43,7 +43,7 @@ std::string decide(double to_first, double to_second, double tol, const std::str
 }
 
 // The gradients of the per-sample mean loss of each rank's shard, in this one process.
-std::vector<torch::Tensor> shard_gradients(torch::nn::Sequential& model, const torch::Tensor& x,
+std::vector<torch::Tensor> shard_gradients(Model& model, const torch::Tensor& x,
                                            const torch::Tensor& y, const std::vector<int64_t>& sizes) {
   std::vector<torch::Tensor> grads;
   int64_t offset = 0;
@@ -94,7 +94,7 @@ torch::Tensor find_tensor(const StateDict& state, const std::string& key, const 
 
 }  // namespace
 
-torch::nn::Sequential lab_model(const std::string& spec, const std::string& init_state) {
+Model lab_model(const std::string& spec, const std::string& init_state) {
   auto model = make_model(spec);
   load_into(*model, load_state_dict(init_state));
   model->train();
@@ -240,7 +240,7 @@ namespace {
 // The single-process side of one DDP comparison: the model and global batch the ranks started from, and the
 // gradients this process computes from them.
 struct Reference {
-  torch::nn::Sequential model;
+  Model model;
   torch::Tensor x, y;                 // the global batch
   torch::Tensor mean;                 // gradient of the mean loss over the whole global batch
   std::vector<torch::Tensor> shards;  // each rank's mean-loss gradient on the even split

@@ -41,6 +41,12 @@ FsdpOptions fsdp_options(const TrainConfig& c) {
   return o;
 }
 
+ZeroOptions zero_options(const TrainConfig& c) {
+  auto o = ZeroOptions().reduction(parse_reduction(c.reduction));
+  if (!c.wrap.empty()) o.wrap(parse_flag("--wrap", c.wrap, parse_wrap_policy));
+  return o;
+}
+
 void check_fsdp_only_flags(const TrainConfig& c) {
   auto fsdp_only = [&](bool given, const std::string& flag) {
     if (given && !is_fsdp(c.strategy)) {
@@ -48,7 +54,10 @@ void check_fsdp_only_flags(const TrainConfig& c) {
                                     to_string(c.strategy)));
     }
   };
-  fsdp_only(!c.wrap.empty(), "--wrap");
+  if (!c.wrap.empty() && !is_sharded(c.strategy)) {
+    throw ConfigError(fmt::format("--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, not "
+                                  "{}", to_string(c.strategy)));
+  }
   fsdp_only(!c.param_dtype.empty(), "--param-dtype");
   fsdp_only(!c.reduce_dtype.empty(), "--reduce-dtype");
   fsdp_only(c.accumulate_grads != "full", "--accumulate-grads");
@@ -80,25 +89,23 @@ void validate_sharding_flags(const TrainConfig& c) {
                                   fmt::join(hooks, ", ")));
   }
   if (is_fsdp(c.strategy)) fsdp_options(c);  // every flag's value parses
+  if (c.strategy == Strategy::Zero1) zero_options(c);
   if (c.accumulate_grads != "full" && c.accumulate_grads != "sharded") {
     throw ConfigError(fmt::format("--accumulate-grads {} is not known; expected full (no_sync: full gradients sum "
                                   "locally, one reduce-scatter per step) or sharded (reduce-scatter every micro-step)",
                                   c.accumulate_grads));
   }
-  if (!is_sharded(c.strategy)) return;
-  if (c.no_pad || c.verify_every > 0) {
-    throw ConfigError(fmt::format("--strategy {} does not support {} (DDP only: uneven ranks need join, "
-                                  "verification needs whole gradients)", to_string(c.strategy),
-                                  c.no_pad ? "--no-pad" : "--verify-every"));
+  if (c.verify_every > 0 && !c.param_dtype.empty()) {
+    throw ConfigError(fmt::format("--verify-every recomputes the gradient in the model's dtype, so it cannot check "
+                                  "a --param-dtype {} run", c.param_dtype));
   }
-  const auto reduction = parse_reduction(c.reduction);
-  if (reduction != Reduction::Mean && reduction != Reduction::Sum) {
-    throw ConfigError(fmt::format("--reduction {} is not supported by --strategy {}; expected mean or sum",
-                                  c.reduction, to_string(c.strategy)));
+  if (parse_reduction(c.reduction) == Reduction::GlobalMean && c.accumulate_grads == "sharded") {
+    throw ConfigError("--reduction global-mean divides by the step's sample count, known only before the last "
+                      "micro-step; it cannot reduce every micro-step (--accumulate-grads sharded)");
   }
 }
 
-std::unique_ptr<Engine> make_engine(const TrainConfig& c, torch::nn::Sequential model,
+std::unique_ptr<Engine> make_engine(const TrainConfig& c, const Model& model,
                                     const std::shared_ptr<World>& world) {
   const auto reduction = parse_reduction(c.reduction);
   switch (c.strategy) {
@@ -108,7 +115,7 @@ std::unique_ptr<Engine> make_engine(const TrainConfig& c, torch::nn::Sequential 
       if (c.comm_hook != "none") ddp->register_comm_hook(comm_hook_of(c.comm_hook));
       return ddp;
     }
-    case Strategy::Zero1: return std::make_unique<Zero1DataParallel>(model, world, ZeroOptions().reduction(reduction));
+    case Strategy::Zero1: return std::make_unique<Zero1DataParallel>(model, world, zero_options(c));
     default: return std::make_unique<FullyShardedDataParallel>(model, world, fsdp_options(c));
   }
 }
@@ -120,7 +127,12 @@ std::string describe_engine(const TrainConfig& c, Engine& engine) {
     return fmt::format("{}: {} unit(s) ({}), largest unit with its gradient {}", to_string(c.strategy), names.size(),
                        fmt::join(names, ", "), format_bytes(fsdp->largest_unit_bytes()));
   }
-  if (c.strategy == Strategy::Zero1) return "zero1: optimizer state sharded over one flat parameter";
+  if (auto* zero = dynamic_cast<Zero1DataParallel*>(&engine)) {
+    std::vector<std::string> names;
+    for (const auto& u : zero->units()) names.push_back(u.name);
+    return fmt::format("zero1: optimizer state sharded over {} flat parameter(s) ({})", names.size(),
+                       fmt::join(names, ", "));
+  }
   return to_string(c.strategy);
 }
 

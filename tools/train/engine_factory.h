@@ -7,6 +7,7 @@
 
 #include <torch/torch.h>
 
+#include "data/models.h"
 #include "gradsync/engine.h"
 #include "gradsync/runtime.h"
 
@@ -22,7 +23,7 @@ void validate_sharding_flags(const TrainConfig& config);
 const std::vector<std::string>& comm_hook_names();
 
 // The engine for config.strategy over `model` (world is null for --strategy local).
-std::unique_ptr<Engine> make_engine(const TrainConfig& config, torch::nn::Sequential model,
+std::unique_ptr<Engine> make_engine(const TrainConfig& config, const Model& model,
                                     const std::shared_ptr<World>& world);
 
 // For the summary: "fsdp-full: 3 unit(s) (0, 2, 4), largest unit with its gradient 1.2 KiB".

@@ -31,7 +31,7 @@ Accuracy evaluate(const TrainConfig& c, Engine& engine, const Dataset& test, con
   Accuracy mine;
   for (int64_t start = rank * kBlock; start < test.size(); start += ranks * kBlock) {
     const int64_t rows = std::min(kBlock, test.size() - start);
-    const auto predicted = model->forward(test.inputs.narrow(0, start, rows)).argmax(1);
+    const auto predicted = model.forward(test.inputs.narrow(0, start, rows)).argmax(1);
     auto labels = test.targets.narrow(0, start, rows);
     if (loss == LossKind::MeanSquared) labels = labels.argmax(1);
     mine.correct += predicted.eq(labels).sum().item<int64_t>();

@@ -21,5 +21,6 @@ std::string to_string(Strategy strategy) {
 
 bool is_fsdp(Strategy s) { return s == Strategy::FsdpFull || s == Strategy::FsdpGradOp || s == Strategy::FsdpNoShard; }
 bool is_sharded(Strategy s) { return is_fsdp(s) || s == Strategy::Zero1; }
+bool holds_replicas(Strategy s) { return s == Strategy::Ddp || s == Strategy::FsdpNoShard; }
 
 }  // namespace gradsync::cli

@@ -21,5 +21,8 @@ std::string to_string(Strategy strategy);
 
 bool is_fsdp(Strategy strategy);
 bool is_sharded(Strategy strategy);  // FSDP (any) or ZeRO-1: parameters() are shards
+// After optimizer.step() every rank's module holds the whole updated parameters (ddp, fsdp-no-shard); the others
+// hold shards, or (zero1) the whole parameters only once the next forward gathers them.
+bool holds_replicas(Strategy strategy);
 
 }  // namespace gradsync::cli

@@ -9,8 +9,10 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "data/data.h"
@@ -39,14 +41,51 @@ bool under_launcher() {
 }
 
 // Over the model's parameters, or this rank's shards of them (sharded strategies).
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, const std::vector<torch::Tensor>& params) {
+// One group over the engine's parameters, or with --no-decay-1d two over the original parameters (the engine's
+// named_parameters(): shard pieces for the sharded engines): the rest with --weight-decay, then the parameters of
+// one dimension (biases, norm weights) without.
+template <typename Optimizer, typename Options>
+std::unique_ptr<torch::optim::Optimizer> optimizer_over(const TrainConfig& c, Engine& engine, const Model& model,
+                                                        const Options& options) {
+  if (!c.no_decay_1d) return std::make_unique<Optimizer>(engine.parameters(), options);
+  std::map<std::string, int64_t> dims;
+  for (const auto& p : model->named_parameters(/*recurse=*/true)) dims[p.key()] = p.value().dim();
+  std::vector<torch::Tensor> decay, no_decay;
+  for (const auto& p : engine.named_parameters()) (dims.at(p.key()) <= 1 ? no_decay : decay).push_back(p.value());
+  auto without = std::make_unique<Options>(options);
+  without->weight_decay(0);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay, std::make_unique<Options>(options));
+  groups.emplace_back(no_decay, std::move(without));
+  return std::make_unique<Optimizer>(std::move(groups), options);
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, Engine& engine, const Model& model) {
   if (c.optimizer == "adam") {
-    return std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(c.lr.value_or(1e-3)).weight_decay(c.weight_decay));
+    const auto options = torch::optim::AdamOptions(c.lr.value_or(1e-3)).weight_decay(c.weight_decay);
+    return optimizer_over<torch::optim::Adam>(c, engine, model, options);
   }
-  return std::make_unique<torch::optim::SGD>(
-      params,
+  return optimizer_over<torch::optim::SGD>(
+      c, engine, model,
       torch::optim::SGDOptions(c.lr.value_or(0.01)).momentum(c.momentum.value_or(0)).weight_decay(c.weight_decay));
+}
+
+// --freeze: every prefix must name at least one parameter.
+void freeze_parameters(const TrainConfig& c, const Model& model) {
+  for (const auto& prefix : c.freeze) {
+    int64_t frozen = 0;
+    std::vector<std::string> names;
+    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
+      names.push_back(p.key());
+      if (p.key().rfind(prefix, 0) != 0) continue;
+      p.value().set_requires_grad(false);
+      ++frozen;
+    }
+    if (frozen == 0) {
+      throw ConfigError(fmt::format("--freeze {}: no parameter name starts with it; the parameters are {}", prefix,
+                                    fmt::join(names, ", ")));
+    }
+  }
 }
 
 class StepLog {
@@ -178,6 +217,7 @@ void validate(const TrainConfig& c, int world_size) {
                                   kMaxTimeoutSeconds));
   }
   check_output_directory("--save-state", c.save_state);
+  check_output_directory("--save-optim", c.save_optim);
   check_output_directory("--log", c.log);
   eval_data_spec(c);  // --eval has a split to use
 }
@@ -186,7 +226,7 @@ namespace {
 
 // What one rank trains with: the model, its data, the engine over it, the optimizer over the engine's parameters.
 struct Run {
-  torch::nn::Sequential model;
+  Model model;
   Dataset data;
   Dataset test;  // --eval's split; empty without --eval
   std::unique_ptr<Engine> engine;
@@ -204,9 +244,10 @@ Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
     run.test = load_dataset(split, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed + 1);
   }
   run.model_bytes = parameter_bytes(*run.model);
+  freeze_parameters(c, run.model);
   run.engine = make_engine(c, run.model, world);
   run.model->train();
-  run.optimizer = make_optimizer(c, run.engine->parameters());
+  run.optimizer = make_optimizer(c, *run.engine, run.model);
   run.engine->track_optimizer(run.optimizer.get());
   return run;
 }
@@ -239,6 +280,10 @@ void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& recor
   if (!c.save_state.empty()) {
     auto full = run.engine->state_dict(/*rank0_only=*/true);  // a collective for sharded engines
     if (rank == 0) save_state_dict(full, c.save_state);
+  }
+  if (!c.save_optim.empty()) {
+    auto optim = run.engine->full_optim_state_dict(*run.optimizer, /*rank0_only=*/true);  // collective when sharded
+    if (rank == 0) save_torch_file(optim, c.save_optim);
   }
   if (reports_resources(c) && !c.quiet) {
     if (is_sharded(c.strategy) && rank == 0) fmt::print("gradsync train: {}\n", describe_engine(c, *run.engine));
@@ -284,7 +329,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
       if (verify) verify_gradient(ctx, schedule.step(rank, s), step);
       run.optimizer->step();
       run.engine->zero_grad();
-      if (verify) verify_replicas(ctx, step);
+      if (verify && holds_replicas(c.strategy)) verify_replicas(ctx, step);
       record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
       if (report) {
         record.sent_bytes = bytes_sent() - written_before;

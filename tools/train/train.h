@@ -30,6 +30,8 @@ struct TrainConfig {
   std::optional<double> lr;       // default: 0.01 for sgd (torch.optim requires one), 1e-3 for adam
   std::optional<double> momentum;
   double weight_decay = 0;
+  bool no_decay_1d = false;        // parameters of one dimension (biases, norm weights): a group without decay
+  std::vector<std::string> freeze;  // state-dict name prefixes whose parameters are frozen (requires_grad false)
   std::string loss = "ce";              // ce | mse
   std::string loss_reduction = "mean";  // mean | sum: how one micro-batch's loss combines its samples
   std::string reduction = "mean";       // mean | sum | global-mean: how ranks' gradients combine (PyTorch: mean)
@@ -39,17 +41,18 @@ struct TrainConfig {
   bool shuffle = true;
   bool no_pad = false;            // every sample once per epoch; ranks may hold uneven counts
   int replay_ranks = 0;           // local only: train on exactly the global batches of this many ranks
-  int64_t verify_every = 0;       // ddp only: every S steps, recompute the gradient in one process and compare
+  int64_t verify_every = 0;       // every S steps, recompute the gradient in one process and compare
   std::string inject_fault;       // tests only: "grad@STEP" or "diverge@STEP"
   std::string init_state;
   std::string save_state;
+  std::string save_optim;         // the optimizer's state, whole, keyed by parameter names (rank 0 writes)
   std::string log;
   double timeout_seconds = 1800;  // process-group timeout (PyTorch's default: 30 min)
   bool quiet = false;
   bool eval = false;              // --eval: test-split accuracy after every epoch (train/evaluate.h)
   std::string eval_data;          // --eval-data SPEC: the split to evaluate on (implies --eval)
   // Sharded strategies (see engine_factory.h, docs/sharding.md).
-  std::string wrap;                       // fsdp-*: children | params:N | list:A,B (default children)
+  std::string wrap;                       // fsdp-*, zero1: children | params:N | list:A,B | type:T,U (default children)
   std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
   std::string reduce_dtype;               // fsdp-*: gradient reduction dtype, default the param dtype
   std::string accumulate_grads = "full";  // fsdp-*: full (no_sync) | sharded (reduce-scatter every micro-step)

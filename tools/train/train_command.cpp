@@ -24,10 +24,26 @@ std::vector<std::string> own_arguments() {
   return args;
 }
 
+// The optimizer and its parameter groups.
+void add_optimizer_options(CLI::App* cmd, TrainConfig& c) {
+  cmd->add_option("--optimizer", c.optimizer, "sgd or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  cmd->add_option("--lr", c.lr, "learning rate (default 0.01 for sgd, 1e-3 for adam)");
+  cmd->add_option("--momentum", c.momentum, "sgd momentum (default 0)");
+  cmd->add_option("--weight-decay", c.weight_decay, "L2 weight decay (default 0)");
+  cmd->add_flag("--no-decay-1d", c.no_decay_1d,
+                "no weight decay on parameters of one dimension (biases, norm weights): a second optimizer group");
+  cmd->add_option("--freeze", c.freeze, "freeze the parameters whose names start with PREFIX (e.g. inp. or 0.): "
+                  "no gradient, no communication")
+      ->delimiter(',')
+      ->type_name("PREFIX[,PREFIX...]");
+}
+
 // The engine's own flags: sharding (fsdp-*), DDP's communication hook, memory reporting.
 void add_engine_options(CLI::App* cmd, TrainConfig& c) {
-  cmd->add_option("--wrap", c.wrap, "fsdp-*: units: children (default), params:N (consecutive children until N "
-                  "parameters) or list:A,B (named children; the rest form the root unit)");
+  cmd->add_option("--wrap", c.wrap, "fsdp-*, zero1: units: children (the elements of the outermost Sequentials; "
+                  "fsdp's default), params:N (consecutive elements until N parameters), list:A,B (modules by "
+                  "qualified name, e.g. blocks.0) or type:T,U (every module of a type, e.g. Block); the rest form the "
+                  "root unit. zero1 default: one flat parameter");
   cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
   cmd->add_option("--accumulate-grads", c.accumulate_grads,
@@ -48,8 +64,9 @@ void add_train_command(CLI::App& root, int& exit_code) {
   auto config = std::make_shared<TrainConfig>();
   auto* cmd = root.add_subcommand("train", "Train a model locally or data-parallel (the PyTorch DDP recipe, in C++)");
   auto& c = *config;
-  cmd->add_option("--model", c.model, "mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT (BatchNorm1d per hidden layer) or "
-                  "cnn:C1-C2-OUT (two Conv2d+ReLU+MaxPool2d, then Linear, on 28x28 images)")
+  cmd->add_option("--model", c.model, "mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT (BatchNorm1d per hidden layer), "
+                  "cnn:C1-C2-OUT (two Conv2d+ReLU+MaxPool2d, then Linear, on 28x28 images) or res:IN-H-B-OUT "
+                  "(Linear, B residual blocks h + fc(relu(norm(h))), Linear)")
       ->required();
   cmd->add_option("--data", c.data, "fashion-mnist, synthetic:N, or a file from torch.save({'inputs': X, 'targets': Y})")
       ->required();
@@ -64,10 +81,7 @@ void add_train_command(CLI::App& root, int& exit_code) {
                   "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
                   "fsdp-no-shard or zero1 (see docs/sharding.md)")
       ->transform(CLI::CheckedTransformer(strategy_names(), CLI::ignore_case).description(""));
-  cmd->add_option("--optimizer", c.optimizer, "sgd or adam")->check(CLI::IsMember({"sgd", "adam"}));
-  cmd->add_option("--lr", c.lr, "learning rate (default 0.01 for sgd, 1e-3 for adam)");
-  cmd->add_option("--momentum", c.momentum, "sgd momentum (default 0)");
-  cmd->add_option("--weight-decay", c.weight_decay, "L2 weight decay (default 0)");
+  add_optimizer_options(cmd, c);
   cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse")->check(CLI::IsMember({"ce", "mse"}));
   cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples")
       ->check(CLI::IsMember({"mean", "sum"}));
@@ -84,12 +98,14 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--replay-ranks", c.replay_ranks,
                   "with --strategy local: train one process on exactly the global batches of N ranks (a reference)");
   cmd->add_option("--verify-every", c.verify_every,
-                  "every S steps: recompute the step's gradient in one process on rank 0 and compare; check that all "
-                  "ranks hold identical parameters (off by default; costs one extra forward/backward of the global "
-                  "batch on rank 0)");
+                  "every S steps: recompute the step's gradient in one process on rank 0 and compare; ddp, "
+                  "fsdp-no-shard: check that all ranks hold identical parameters (off by default; costs one extra "
+                  "forward/backward of the global batch on rank 0)");
   cmd->add_option("--inject-fault", c.inject_fault, "tests only: grad@STEP or diverge@STEP")->group("");
   cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(model.state_dict(), FILE) or a gradsync --save-state file");
   cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
+  cmd->add_option("--save-optim", c.save_optim, "write the final optimizer state, whole, keyed by parameter names "
+                  "(PyTorch's FSDP.full_optim_state_dict layout; Python torch.load reads it)");
   cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)")
       ->check(CLI::Range(0.001, 86400.0 * 365));

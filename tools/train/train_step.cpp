@@ -18,7 +18,7 @@ namespace {
 // In float32 whatever the engine computes in (FSDP's --param-dtype): the loss is computed in float32.
 torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
   auto inputs = ctx.data.inputs.index_select(0, indices);
-  auto output = ctx.engine ? ctx.engine->forward(inputs) : ctx.model.ptr()->forward(inputs);
+  auto output = ctx.engine ? ctx.engine->forward(inputs) : ctx.model.forward(inputs);
   return output.is_floating_point() && output.scalar_type() != torch::kFloat ? output.to(torch::kFloat) : output;
 }
 
@@ -113,7 +113,7 @@ void engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro
     reduce_record(ctx, record);
   }
   const int corrupt_at = fault_step(ctx.config.inject_fault, "grad");
-  auto first = ctx.model->parameters().front();  // a handle: .grad is the parameter's own
+  auto first = ctx.engine->parameters().front();  // a handle: .grad is the parameter's (or shard's) own
   if (corrupt_at == record.step && (!ctx.world || ctx.world->rank() == 0) && first.grad().defined()) {
     torch::NoGradGuard no_grad;
     first.mutable_grad().mul_(1.5);  // a deliberately wrong gradient (tests only)
@@ -164,6 +164,9 @@ StepFn choose_step(const TrainConfig& c, int rank) {
 void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& micro, int64_t step) {
   auto& comm = ctx.world->comm();
   auto everyone = comm.allgather_strings(encode(micro));
+  // Collectives for the sharded engines: the pre-update parameters and the reduced gradient, whole.
+  const auto parameters = ctx.engine->state_dict(/*rank0_only=*/true);
+  const auto gradients = ctx.engine->full_gradients();
   if (comm.rank() != 0) return;
   std::vector<std::vector<torch::Tensor>> per_rank;
   int64_t total = 0;
@@ -173,7 +176,7 @@ void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& m
   }
   // A fresh copy of the model at the pre-update parameters computes the gradient the reduction claims.
   auto reference = make_model(ctx.config.model);
-  load_into(*reference, state_dict(*ctx.model.ptr()));
+  load_into(*reference, parameters);
   reference->train();
   StepContext local{ctx.config, ctx.data, reference, nullptr, nullptr, ctx.reduction};
   for (const auto& rank_micro : per_rank) {
@@ -184,13 +187,12 @@ void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& m
   }
   std::vector<std::string> names;
   std::vector<torch::Tensor> got, expected;
-  auto ours = ctx.model.ptr()->named_parameters();
-  auto theirs = reference->named_parameters();
-  for (size_t i = 0; i < ours.size(); ++i) {
-    names.push_back(ours[i].key());
-    got.push_back(ours[i].value().grad());
-    expected.push_back(theirs[i].value().grad().defined() ? theirs[i].value().grad()
-                                                           : torch::zeros_like(theirs[i].value()));
+  const auto theirs = reference->named_parameters();
+  for (const auto& [name, gradient] : gradients) {  // the trainable parameters
+    const auto& param = theirs[name];
+    names.push_back(name);
+    got.push_back(gradient);
+    expected.push_back(param.grad().defined() ? param.grad() : torch::zeros_like(param));
   }
   // float32 gradients summed in a different order: allow 1e-4 of each parameter's largest entry, plus 1e-6.
   auto check = compare_gradients(names, got, expected, 1e-4, 1e-6);
@@ -209,9 +211,9 @@ void verify_replicas(const StepContext& ctx, int64_t step) {
   const int diverge_at = fault_step(ctx.config.inject_fault, "diverge");
   if (diverge_at == step && ctx.world->rank() == ctx.world->size() - 1) {
     torch::NoGradGuard no_grad;
-    ctx.model.ptr()->parameters().back().add_(1e-3);  // a deliberately divergent replica (tests only)
+    ctx.model->parameters().back().add_(1e-3);  // a deliberately divergent replica (tests only)
   }
-  check_replicas_identical(ctx.world->comm(), *ctx.model.ptr());
+  check_replicas_identical(ctx.world->comm(), *ctx.model);
 }
 
 }  // namespace gradsync::cli

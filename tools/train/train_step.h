@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "data/data.h"
+#include "data/models.h"
 #include "gradsync/engine.h"
 #include "train/schedule.h"
 #include "train/train.h"
@@ -17,7 +18,7 @@ namespace gradsync::cli {
 struct StepContext {
   const TrainConfig& config;
   const Dataset& data;
-  torch::nn::Sequential model;   // the unwrapped model (what --verify-every and the fault injection read)
+  Model model;   // the unwrapped model (what --verify-every and the fault injection read)
   Engine* engine;                // null for a plain local model (the verification's reference)
   std::shared_ptr<World> world;  // null for --strategy local
   Reduction reduction;
@@ -38,7 +39,8 @@ StepFn choose_step(const TrainConfig& config, int rank);
 // --verify-every: rank 0 recomputes the step's gradient in one process from every rank's micro-batches (gathered:
 // one allgather of their indices) and throws DistributedError if the synchronised gradient differs.
 void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& micro, int64_t step);
-// --verify-every: after the update, every rank's parameters must be bit-identical (one allgather of digests).
+// --verify-every: after the update, every rank's parameters must be bit-identical (one allgather of digests); for
+// the strategies that hold whole replicas (holds_replicas() in strategy.h).
 void verify_replicas(const StepContext& ctx, int64_t step);
 
 }  // namespace gradsync::cli
