@@ -120,6 +120,14 @@ TEST(FsdpUnits, SlotsRunUnitsAndAreTheUsersAgainAfterwards) {
     EXPECT_THROW(model->forward(x), gradsync::Error);  // a unit outside the engine's forward
   }
   EXPECT_TRUE(torch::equal(model->forward(x), expected));
+  {
+    gradsync::FullyShardedDataParallel listed(model, world, gradsync::FsdpOptions().wrap(
+                                                                  gradsync::WrapPolicy::list({"stem", "head"})));
+    const auto nested = [&] {
+      listed.forward_with([&] { return listed.unit("stem", [&] { return listed.unit("head", [&] { return x; }); }); });
+    };
+    EXPECT_THROW(nested(), gradsync::ConfigError);  // units do not nest
+  }
   const auto linear = gradsync::FsdpOptions().wrap(gradsync::WrapPolicy::types({"Linear"}));
   gradsync::FullyShardedDataParallel typed(model, world, linear);
   EXPECT_THROW(typed.forward(x), gradsync::ConfigError);  // stem, head and the blocks' fc have no slot
@@ -203,6 +211,7 @@ void steps(gradsync::Engine& engine, torch::optim::Optimizer& optimizer, int ran
            int64_t to) {
   for (int64_t s = from; s < to; ++s) {
     auto [x, y] = sh::global_batch(s, ranks * kBatch, 5, 2);
+    optimizer.zero_grad();  // libtorch's own zero_grad on the gradients the engine bound (shards' or pieces')
     engine.zero_grad();
     F::cross_entropy(engine.forward(x.narrow(0, rank * kBatch, kBatch)), y.narrow(0, rank * kBatch, kBatch))
         .backward();

@@ -67,6 +67,15 @@ TEST(TrainCli, BadFlagsAreRejectedWithTheValueAndWhatIsAllowed) {
                "--save-state /nonexistent-dir/x.pt: its directory '/nonexistent-dir' is not writable");
   expect_error(with({"--global-batch", "16", "--steps", "2", "--epochs", "1"}), "excludes");
   expect_error({"--model", "mlp:8-x-3", "--data", "synthetic:64", "--global-batch", "16"}, "'x' is not a positive");
+  // Parameters as users hold them, and what a sharded run can check.
+  expect_error(with({"--global-batch", "16", "--freeze", "9."}), "--freeze 9.: no parameter name starts with it");
+  expect_error(with({"--global-batch", "16", "--freeze", "0.,2."}), "every parameter would be frozen");
+  expect_error(with({"--global-batch", "16", "--strategy", "ddp", "--wrap", "type:Linear"}),
+               "--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, not ddp");
+  expect_error(with({"--global-batch", "16", "--strategy", "fsdp-full", "--verify-every", "1", "--reduce-dtype",
+                     "bf16"}), "cannot check a run with --reduce-dtype bf16");
+  expect_error(with({"--global-batch", "16", "--strategy", "fsdp-full", "--reduction", "global-mean",
+                     "--accumulate-grads", "sharded"}), "it cannot reduce every micro-step");
 }
 
 TEST(TrainCli, VersionNamesThePackageVersion) {

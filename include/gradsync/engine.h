@@ -228,10 +228,18 @@ double accumulate(int64_t micro_batches, LossFn&& micro_loss) {
 
 namespace detail {
 // A micro-step without data (see Engine::join_forward), synchronised unless under no_sync.
-inline void shadow_micro_step(Engine& engine) {
+inline void shadow_forward(Engine& engine) {
   engine.begin_forward();
-  engine.join_forward();
+  try {
+    engine.join_forward();
+  } catch (...) {
+    engine.abort_forward();
+    throw;
+  }
   engine.end_forward();
+}
+inline void shadow_micro_step(Engine& engine) {
+  shadow_forward(engine);
   engine.join_backward();
 }
 }  // namespace detail
@@ -308,9 +316,7 @@ GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, Ite
     part.summed_loss.backward();
   }
   if (micro_batches < steps) {  // the synchronised micro-step is a shadow one
-    engine.begin_forward();
-    engine.join_forward();
-    engine.end_forward();
+    detail::shadow_forward(engine);
     auto out = detail::global_totals(engine, items, loss_sum);
     engine.join_backward();
     return out;

@@ -15,6 +15,13 @@ void resize_storage(const torch::Tensor& t, int64_t bytes) {
 
 int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+// n values of t from `offset` on, as a tensor of its own on t's storage rather than an autograd view: what a
+// gradient may be, since optimizer.zero_grad() detaches gradients in place and views refuse that.
+torch::Tensor alias_of(const torch::Tensor& t, int64_t offset, int64_t n) {
+  torch::NoGradGuard no_grad;
+  return torch::empty({0}, t.options()).set_(t.storage(), t.storage_offset() + offset, {n}, {1});
+}
+
 }  // namespace
 
 FlatParam::FlatParam(const UnitPlan& plan, int rank, int world, bool sharded, const MixedPrecision& precision)
@@ -78,7 +85,7 @@ void FlatParam::bind_piece_grads() {
   const auto& grad = shard_.grad();
   for (size_t i = 0; i < pieces_.size(); ++i) {
     auto& piece = pieces_[i];
-    piece.mutable_grad() = grad.defined() ? grad.narrow(0, piece_offset(i), piece.numel()) : torch::Tensor();
+    piece.mutable_grad() = grad.defined() ? alias_of(grad, piece_offset(i), piece.numel()) : torch::Tensor();
   }
 }
 
@@ -204,7 +211,7 @@ void FlatParam::finish_reduce() {
   } else {
     // May alias the gradient buffer (NO_SHARD, no casting): releasing the buffer below only drops the parameters'
     // views of it, so the shard gradient owns it from here.
-    shard_grad = mine.contiguous();
+    shard_grad = mine.is_contiguous() ? alias_of(mine, 0, mine.numel()) : mine.contiguous();
   }
   bind_piece_grads();
   release_grad_buffer();

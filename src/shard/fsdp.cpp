@@ -148,6 +148,7 @@ void FullyShardedDataParallel::load_state_dict(const StateDict& state) {
 void FullyShardedDataParallel::save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer) {
   auto& s = *units_;
   fail_together_on_throw(s.comm(), fmt::format("{}: save_sharded", kWho), [&] {
+    require_optimizer_over_shards(fmt::format("{}: save_sharded", kWho), optimizer, s.flat_views);
     save_shards(dir, fmt::format("fsdp:{}", to_string(s.options.strategy())), s.world->rank(), s.size(),
                 shard_slots(s.flat_views), optimizer);
   });
@@ -156,7 +157,11 @@ void FullyShardedDataParallel::save_sharded(const std::string& dir, const torch:
 void FullyShardedDataParallel::load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer) {
   auto& s = *units_;
   fail_together_on_throw(s.comm(), fmt::format("{}: load_sharded", kWho),
-                         [&] { load_shards(dir, s.world->rank(), s.size(), shard_slots(s.flat_views), optimizer); });
+                         [&] {
+                           require_optimizer_over_shards(fmt::format("{}: load_sharded", kWho), optimizer,
+                                                         s.flat_views);
+                           load_shards(dir, s.world->rank(), s.size(), shard_slots(s.flat_views), optimizer);
+                         });
   s.free_all();  // the next forward gathers the loaded values
   s.sample_memory();
 }

@@ -1,6 +1,8 @@
 // The full optimizer state dict (see full_optim_state.h).
 #include "shard/full_optim_state.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -205,6 +207,17 @@ void scatter_optim_states(const std::vector<FlatParam*>& flats, optim::Optimizer
       }
       set_param_state(optimizer, flat->pieces()[i], part.empty() ? ParamState{} : piece);
     }
+  }
+}
+
+void require_optimizer_over_shards(const std::string& who, const optim::Optimizer* optimizer,
+                                   const std::vector<FlatParam*>& flats) {
+  if (!optimizer) return;
+  for (const auto* flat : flats) {
+    if (steps_tensor(*optimizer, flat->shard())) continue;
+    throw ConfigError(fmt::format("{}: the optimizer does not step the shard of unit '{}' (built over "
+                                  "named_parameters()?); a sharded checkpoint keeps the state of shards: save "
+                                  "full_optim_state_dict() with state_dict() instead", who, flat->name()));
   }
 }
 

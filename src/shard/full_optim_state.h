@@ -47,6 +47,11 @@ void scatter_optim_states(const std::vector<FlatParam*>& flats, torch::optim::Op
 // The names of what a sharded engine's optimizer may step: each shard (every parameter of its flat) and each piece.
 SteppedNames stepped_names(const std::vector<FlatParam*>& flats);
 
+// Sharded checkpoints save and load the optimizer state of shards: ConfigError naming `who` when `optimizer`
+// (if given) steps pieces instead.
+void require_optimizer_over_shards(const std::string& who, const torch::optim::Optimizer* optimizer,
+                                   const std::vector<FlatParam*>& flats);
+
 // Collective: gather_optim_states() as the layout above, on every rank or (rank0_only) rank 0, else an empty dict.
 c10::IValue sharded_optim_state_value(Collectives& comm, const std::vector<FlatParam*>& flats,
                                       const torch::optim::Optimizer& optimizer, bool rank0_only);

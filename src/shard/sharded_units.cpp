@@ -115,8 +115,20 @@ torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor
     throw Error(fmt::format("{}: unit '{}' ran outside the engine's forward; call the engine's forward(x) (or "
                             "forward_with(body) for unit(name, fn)), not the module's", kWho, flats[u]->name()));
   }
+  if (running_unit) {
+    throw ConfigError(fmt::format("{}: unit '{}' ran inside unit '{}'; units cannot nest (their events would replay "
+                                  "in another order)", kWho, flats[u]->name(), flats[*running_unit]->name()));
+  }
   enter_unit(u);
-  auto output = fn();
+  running_unit = u;
+  torch::Tensor output;
+  try {
+    output = fn();
+  } catch (...) {
+    running_unit.reset();
+    throw;
+  }
+  running_unit.reset();
   const bool needs_backward = torch::GradMode::is_enabled() && output.requires_grad();
   if (needs_backward) {
     // Fires when the gradient of the unit's output is known, before the unit's own backward runs.
@@ -150,13 +162,19 @@ void ShardedUnits::end_forward() {
   sample_memory();
 }
 
-void ShardedUnits::start_backward() {
-  if (callback_queued || replaying) return;  // a replay calls finalize_backward() itself
+// Every rank checks before its backward issues a collective (a real one in its first hook, a shadow one first
+// thing), so a missing count fails everywhere instead of leaving a shadow rank waiting.
+void ShardedUnits::require_item_count() const {
   if (backward_sync && options.reduction() == Reduction::GlobalMean && !global_items) {
     throw ConfigError(fmt::format("{} on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
                                   "before the synchronising backward; use gradsync::accumulate_global_mean() or "
                                   "set_global_item_count()", kWho, world->rank()));
   }
+}
+
+void ShardedUnits::start_backward() {
+  if (callback_queued || replaying) return;  // a replay calls finalize_backward() itself
+  require_item_count();
   callback_queued = true;
   std::weak_ptr<ShardedUnits> weak = self;
   // Runs once the engine has finished this backward, before backward() returns.
@@ -231,24 +249,23 @@ void ShardedUnits::join_forward() {
     throw ConfigError(fmt::format("{} on rank {}: a micro-step without data needs a completed micro-step of this "
                                   "rank's own first (its unit events are replayed)", kWho, world->rank()));
   }
-  replaying = true;
+  Replaying guard(replaying);
   for (const auto& e : *last_events) {
     if (e.kind != Event::Kind::Run) continue;
     enter_unit(e.unit);
     leave_unit(e.unit, e.needs_backward && torch::GradMode::is_enabled());
   }
-  replaying = false;
 }
 
 void ShardedUnits::join_backward() {
   if (!last_events) join_forward();  // throws: nothing to replay
-  replaying = true;
+  require_item_count();
+  Replaying guard(replaying);
   for (const auto& e : *last_events) {
     if (e.kind == Event::Kind::PreBackward && progress[e.unit].needs_backward) pre_backward(e.unit);
     if (e.kind == Event::Kind::PostBackward && progress[e.unit].needs_backward) post_backward(e.unit);
   }
   finalize_backward();
-  replaying = false;
 }
 
 void ShardedUnits::abort_forward() {

@@ -65,6 +65,7 @@ class ShardedUnits {
   bool callback_queued = false;
   bool in_forward = false;
   bool replaying = false;                           // a shadow micro-step: events are not recorded
+  std::optional<size_t> running_unit;               // the unit whose forward is running (units do not nest)
   std::optional<int64_t> global_items;              // Reduction::GlobalMean: the step's items over all ranks
   std::vector<Event> events;                        // this micro-step's, in order
   std::optional<std::vector<Event>> last_events;    // the last completed micro-step's: what a shadow one replays
@@ -101,6 +102,13 @@ class ShardedUnits {
   double grad_factor() const;
 
  private:
+  // Sets a flag for its scope, exceptions included.
+  struct Replaying {
+    explicit Replaying(bool& flag) : flag_(flag) { flag_ = true; }
+    ~Replaying() { flag_ = false; }
+    bool& flag_;
+  };
+  void require_item_count() const;
   void record(Event::Kind kind, size_t u, bool needs_backward = false);
   void enter_unit(size_t u);
   void leave_unit(size_t u, bool needs_backward);

@@ -36,15 +36,17 @@ class PassThroughImpl : public torch::nn::Module {
 }  // namespace
 
 UnitSlots::UnitSlots(const std::vector<UnitPlan>& plans, const RunUnit& run) {
+  for (const auto& plan : plans) {  // every plan checked before any slot changes
+    if (plan.has_slot() && plan.last_child >= plan.sequential->size()) {
+      throw ConfigError(fmt::format("FSDP unit '{}': slots {}..{} of a Sequential of {} elements (a Sequential "
+                                    "whose registered children and elements differ)", plan.name, plan.first_child,
+                                    plan.last_child, plan.sequential->size()));
+    }
+  }
   for (size_t u = 0; u < plans.size(); ++u) {
     const auto& plan = plans[u];
     if (!plan.has_slot()) continue;
     auto& sequential = plan.sequential;
-    if (plan.last_child >= sequential->size()) {
-      throw ConfigError(fmt::format("FSDP unit '{}': slots {}..{} of a Sequential of {} elements (a Sequential "
-                                    "whose registered children and elements differ)", plan.name, plan.first_child,
-                                    plan.last_child, sequential->size()));
-    }
     auto element = [&](size_t slot) -> torch::nn::AnyModule& {
       return *(sequential->begin() + static_cast<std::ptrdiff_t>(slot));
     };

@@ -249,13 +249,19 @@ std::vector<UnitInfo> Zero1DataParallel::units() const {
 void Zero1DataParallel::save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer) {
   auto& s = *shard_;
   fail_together_on_throw(s.comm(), fmt::format("{}: save_sharded", kWho),
-                         [&] { save_shards(dir, "zero1", s.world->rank(), s.world->size(), s.slots(), optimizer); });
+                         [&] {
+                           require_optimizer_over_shards(fmt::format("{}: save_sharded", kWho), optimizer, s.flats);
+                           save_shards(dir, "zero1", s.world->rank(), s.world->size(), s.slots(), optimizer);
+                         });
 }
 
 void Zero1DataParallel::load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer) {
   auto& s = *shard_;
   fail_together_on_throw(s.comm(), fmt::format("{}: load_sharded", kWho),
-                         [&] { load_shards(dir, s.world->rank(), s.world->size(), s.slots(), optimizer); });
+                         [&] {
+                           require_optimizer_over_shards(fmt::format("{}: load_sharded", kWho), optimizer, s.flats);
+                           load_shards(dir, s.world->rank(), s.world->size(), s.slots(), optimizer);
+                         });
   s.regather();
   s.pending_update = false;
 }

@@ -95,9 +95,10 @@ void validate_sharding_flags(const TrainConfig& c) {
                                   "locally, one reduce-scatter per step) or sharded (reduce-scatter every micro-step)",
                                   c.accumulate_grads));
   }
-  if (c.verify_every > 0 && !c.param_dtype.empty()) {
+  if (c.verify_every > 0 && (!c.param_dtype.empty() || !c.reduce_dtype.empty())) {
     throw ConfigError(fmt::format("--verify-every recomputes the gradient in the model's dtype, so it cannot check "
-                                  "a --param-dtype {} run", c.param_dtype));
+                                  "a run with --{} {}", c.param_dtype.empty() ? "reduce-dtype" : "param-dtype",
+                                  c.param_dtype.empty() ? c.reduce_dtype : c.param_dtype));
   }
   if (parse_reduction(c.reduction) == Reduction::GlobalMean && c.accumulate_grads == "sharded") {
     throw ConfigError("--reduction global-mean divides by the step's sample count, known only before the last "

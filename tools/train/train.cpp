@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cerrno>
 #include <cmath>
@@ -85,6 +86,11 @@ void freeze_parameters(const TrainConfig& c, const Model& model) {
       throw ConfigError(fmt::format("--freeze {}: no parameter name starts with it; the parameters are {}", prefix,
                                     fmt::join(names, ", ")));
     }
+  }
+  const auto params = model->parameters();
+  if (!c.freeze.empty() && std::none_of(params.begin(), params.end(), [](const auto& p) { return p.requires_grad(); })) {
+    throw ConfigError(fmt::format("--freeze {}: every parameter would be frozen, leaving nothing to train",
+                                  fmt::join(c.freeze, ",")));
   }
 }
 
