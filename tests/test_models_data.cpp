@@ -624,6 +624,27 @@ TEST(Dataset, TorchSaveFilesLoadAndConvert) {
   EXPECT_TRUE(torch::equal(rows.inputs[1], ce.inputs[1]));
 }
 
+// A --data file cut by a few bytes (a copy that stopped short) is refused before any parsing, naming the file;
+// it is never read past its end.
+TEST(Dataset, TorchSaveFileCutShortIsRefusedNamingIt) {
+  TempDir dir;
+  c10::impl::GenericDict data(c10::StringType::get(), c10::TensorType::get());
+  data.insert("inputs", torch::randn({256, 6}));
+  data.insert("targets", torch::randint(0, 4, {256}, torch::kLong));
+  const std::string whole = dir.file("whole.pt");
+  gradsync::save_torch_file(data, whole);
+  EXPECT_EQ(load_dataset(whole, 6, 4, LossKind::CrossEntropy, 0).inputs.size(0), 256);
+  std::ifstream in(whole, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (size_t cut = 1; cut <= 4; ++cut) {
+    const std::string path = dir.file(fmt::format("cut_{}.pt", cut));
+    std::ofstream(path, std::ios::binary) << bytes.substr(0, bytes.size() - cut);
+    const std::string msg =
+        error_of<gradsync::ConfigError>([&] { load_dataset(path, 6, 4, LossKind::CrossEntropy, 0); });
+    EXPECT_NE(msg.find(path), std::string::npos) << "cut " << cut << ": " << msg;
+  }
+}
+
 TEST(Dataset, TorchSaveFileErrorsNameTheFileTheValueAndWhatIsAllowed) {
   TempDir dir;
   const std::string err = run_python(kFilesScript, dir);

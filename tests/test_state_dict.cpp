@@ -26,6 +26,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include "common/atomic_file.h"
 #include "gradsync/error.h"
 #include "gradsync/state_dict.h"
 #include "support/subprocess.h"
@@ -502,6 +503,33 @@ TEST(StateDict, SaveIsAtomicAndLeavesNoTempFile) {
   fs::current_path(cwd);
   EXPECT_EQ(dir.entries(), (Names{"model.pt", "relative.pt"}));
   expect_same_state(gradsync::load_state_dict(dir.file("relative.pt")), second);
+}
+
+// A symlink planted where the writer makes its temp file must not redirect the write (the temp file is created
+// with O_EXCL | O_NOFOLLOW under a random name), and temp files a killed writer left are removed at the next save.
+TEST(StateDict, SaveNeverWritesThroughAPlantedSymlinkAndRemovesStaleTempFiles) {
+  TempDir dir;
+  const std::string path = dir.file("model.pt"), victim = dir.file("victim");
+  write_bytes(victim, "victim");
+  // The name the writer once used (<path>.tmp.<pid>), and one in today's form whose pid runs: both left alone.
+  fs::create_symlink(victim, path + ".tmp." + std::to_string(::getpid()));
+  write_bytes(path + ".tmp." + std::to_string(::getpid()) + ".0123", "a live writer's");
+  // A killed writer's leftovers (pids beyond any pid_max): a file, and a symlink that must go without its target.
+  write_bytes(path + ".tmp.999999999.deadbeef", "torn");
+  fs::create_symlink(victim, path + ".tmp.999999998.cafe");
+  gradsync::save_state_dict(sample_state(), path);
+  EXPECT_EQ(read_bytes(victim), "victim");
+  expect_same_state(gradsync::load_state_dict(path), sample_state());
+  EXPECT_EQ(dir.entries(), (Names{"model.pt", "model.pt.tmp." + std::to_string(::getpid()),
+                                  "model.pt.tmp." + std::to_string(::getpid()) + ".0123", "victim"}));
+  // Exclusive creation never opens an existing name, dangling symlink or not.
+  fs::create_symlink(dir.file("nowhere"), dir.file("dangling"));
+  for (const auto& name : {dir.file("dangling"), path + ".tmp." + std::to_string(::getpid())}) {
+    EXPECT_EQ(gradsync::create_exclusive(name), -1) << name;
+    EXPECT_EQ(errno, EEXIST) << name;
+  }
+  EXPECT_FALSE(fs::exists(dir.file("nowhere")));
+  EXPECT_EQ(read_bytes(victim), "victim");
 }
 
 TEST(StateDict, SaveErrorsNameThePathAndErrnoText) {

@@ -1,12 +1,15 @@
 // Crash-safe file writes (see atomic_file.h).
 #include "common/atomic_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+#include <random>
 
 #include <fmt/format.h>
 
@@ -25,13 +28,23 @@ std::string directory_of(const std::string& path) {
   return slash == 0 ? "/" : path.substr(0, slash);
 }
 
-// Owns the temp file until it is renamed: every early exit closes and removes it.
+std::string base_name(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? path : path.substr(slash + 1);
+}
+
+// Owns the temp file until it is renamed: every early exit closes and removes it. A fresh random name per try:
+// an existing entry under it (a planted symlink, a leftover) is never opened.
 class TempFile {
  public:
-  explicit TempFile(std::string path) : path_(std::move(path)) {
-    // O_TRUNC, not O_EXCL: a temp file a killed writer left under this name must not block every later save.
-    fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail_errno("creating", path_, errno);
+  explicit TempFile(const std::string& target) {
+    std::random_device random;
+    for (int attempt = 0; attempt < 16 && fd_ < 0; ++attempt) {
+      path_ = fmt::format("{}.tmp.{}.{:08x}{:08x}", target, ::getpid(), random(), random());
+      fd_ = create_exclusive(path_);
+      if (fd_ < 0 && errno != EEXIST) fail_errno("creating", path_, errno);
+    }
+    if (fd_ < 0) fail_errno("creating", path_, EEXIST);
   }
   ~TempFile() {
     if (fd_ >= 0) ::close(fd_);
@@ -77,9 +90,34 @@ void fsync_directory(const std::string& dir) {
 
 }  // namespace
 
+int create_exclusive(const std::string& path) {
+  return ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+}
+
+int remove_stale_temp_files(const std::string& path) {
+  const std::string prefix = base_name(path) + ".tmp.";
+  DIR* dir = ::opendir(directory_of(path).c_str());
+  if (!dir) return 0;
+  int removed = 0;
+  while (const dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string rest = name.substr(prefix.size());  // <pid>.<random>
+    const auto dot = rest.find('.');
+    if (dot == std::string::npos || dot == 0 || rest.find_first_not_of("0123456789") != dot) continue;
+    const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
+    if (pid > 0 && pid <= 0x7fffffff && ::kill(static_cast<pid_t>(pid), 0) == 0) continue;  // its writer runs
+    if (pid > 0 && pid <= 0x7fffffff && errno == EPERM) continue;                          // runs, not ours
+    removed += ::unlinkat(::dirfd(dir), name.c_str(), 0) == 0;  // a symlink itself, never its target
+  }
+  ::closedir(dir);
+  return removed;
+}
+
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {
+  remove_stale_temp_files(path);
   {
-    TempFile temp(fmt::format("{}.tmp.{}", path, ::getpid()));
+    TempFile temp(path);
     temp.write_all(bytes.data(), bytes.size());
     temp.sync_and_close();
     temp.rename_to(path);

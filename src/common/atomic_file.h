@@ -11,7 +11,18 @@ namespace gradsync {
 // path, fsync the directory (so the rename itself survives a crash; best effort, after the rename). Every failure
 // before the rename closes the descriptor and removes the temp file, then throws Error naming the path, the step
 // and errno.
+//
+// The temp file is <path>.tmp.<pid>.<random>, created with O_EXCL | O_NOFOLLOW: a file or symlink planted under
+// that name makes the open fail (another name is tried) instead of redirecting the write. Temp files of this path
+// that a killed writer left behind (their pid no longer runs) are removed first.
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes);
+
+// Opens `path` for writing only if nothing exists under that name, never through a symlink; -1 with errno set
+// otherwise (EEXIST for any existing name, dangling symlinks included).
+int create_exclusive(const std::string& path);
+
+// Removes <path>.tmp.<pid>.* entries whose pid no longer runs; returns how many.
+int remove_stale_temp_files(const std::string& path);
 
 // Creates DIR and its missing parents (mkdir -p); throws Error naming the first directory that cannot be made.
 void make_directories(const std::string& dir);
