@@ -504,10 +504,9 @@ def train(args, world, X, Y, tmpdir):
     if args.save_optim and rank == 0:
         torch.save(named_optim_state(module, optimizer), args.save_optim)
     if ddp:
-        dist.barrier()
-        dist.destroy_process_group()
-        if args.comm_hook != "none":  # its Python callbacks run on Gloo threads
-            exit_without_destructors(tmpdir)
+        dist.barrier()  # every rank has written what it writes
+        # No teardown at all: torch 1.13's can deadlock (below), also without a comm hook when the machine is busy.
+        exit_without_destructors(tmpdir)
 
 
 def load_init_state(module, path, model):
@@ -527,7 +526,8 @@ def load_init_state(module, path, model):
 def exit_without_destructors(tmpdir):
     """Leaves the process once everything is written, without running destructors: torch 1.13 can deadlock
     when the DDP Reducer is destroyed at exit (~ProcessGroupGloo joins a Gloo thread that waits for the GIL the
-    destroying main thread holds; seen under load with a Python comm hook and with Join's pending work)."""
+    destroying main thread holds; seen under load with a Python comm hook, with Join's pending work, and once in
+    a plain DDP run on a busy machine)."""
     sys.stdout.flush()
     sys.stderr.flush()
     shutil.rmtree(tmpdir, ignore_errors=True)
