@@ -16,12 +16,7 @@
 namespace gradsync {
 
 void Reducer::queue_finalize(const std::weak_ptr<Reducer>& self) {
-  if (options.reduction() == Reduction::GlobalMean && !global_items) {
-    throw ConfigError(fmt::format(
-        "DistributedDataParallel on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
-        "before the synchronising backward; use gradsync::accumulate_global_mean() or set_global_item_count()",
-        rank()));
-  }
+  require_item_count("DistributedDataParallel", rank(), options.reduction(), global_items);
   callback_queued = true;
   backward_start = Clock::now();
   timeline = BackwardTimeline{};
@@ -64,8 +59,7 @@ double Reducer::divisor() const {
 // communication hook the copy is plain: the hook divides (as PyTorch's hooks do).
 double Reducer::bucket_scale() const {
   if (comm_hook) return 1.0;
-  if (options.reduction() == Reduction::GlobalMean && *global_items == 0) return 0.0;
-  return 1.0 / divisor();
+  return gradient_factor(options.reduction(), join_divisor.value_or(size()), global_items);
 }
 
 void Reducer::copy_into_bucket(size_t index) {

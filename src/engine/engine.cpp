@@ -24,10 +24,11 @@ torch::OrderedDict<std::string, torch::Tensor> Engine::named_parameters() {
   return out;
 }
 
+// The defaults below are the unsharded engines': they step the module's trainable parameters, which the
+// non-virtual Engine::named_parameters() lists.
 StateDict Engine::full_gradients() {
   StateDict out;
-  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
-    if (!p.value().requires_grad()) continue;
+  for (const auto& p : Engine::named_parameters()) {
     const auto& grad = p.value().grad();
     out.emplace_back(p.key(), grad.defined() ? grad.detach().clone() : torch::zeros_like(p.value()));
   }
@@ -37,8 +38,7 @@ StateDict Engine::full_gradients() {
 c10::IValue Engine::full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only) {
   std::vector<NamedParamState> states;
   SteppedNames names;
-  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
-    if (!p.value().requires_grad()) continue;
+  for (const auto& p : Engine::named_parameters()) {
     states.push_back({p.key(), get_param_state(optimizer, p.value())});
     names[p.value().unsafeGetTensorImpl()] = {p.key()};
   }
@@ -49,8 +49,7 @@ c10::IValue Engine::full_optim_state_dict(const torch::optim::Optimizer& optimiz
 
 void Engine::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {
   const auto states = optim_states_of(state);
-  for (const auto& p : module().named_parameters(/*recurse=*/true)) {
-    if (!p.value().requires_grad()) continue;
+  for (const auto& p : Engine::named_parameters()) {
     auto it = states.find(p.key());
     set_param_state(optimizer, p.value(), it == states.end() ? ParamState{} : it->second);
   }

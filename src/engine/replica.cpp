@@ -8,6 +8,22 @@
 
 namespace gradsync {
 
+double gradient_factor(Reduction reduction, int ranks, const std::optional<int64_t>& items) {
+  switch (reduction) {
+    case Reduction::Mean: return 1.0 / ranks;
+    case Reduction::Sum: return 1.0;
+    case Reduction::GlobalMean: return items && *items > 0 ? 1.0 / static_cast<double>(*items) : 0.0;
+  }
+  return 1.0;
+}
+
+void require_item_count(const std::string& who, int rank, Reduction reduction, const std::optional<int64_t>& items) {
+  if (reduction != Reduction::GlobalMean || items) return;
+  throw ConfigError(fmt::format("{} on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
+                                "before the synchronising backward; use gradsync::accumulate_global_mean() or "
+                                "set_global_item_count()", who, rank));
+}
+
 std::vector<torch::Tensor> set_up_replica(Collectives& comm, const std::string& who, torch::nn::Module& module,
                                           const std::vector<std::string>& extra_lines) {
   auto lines = describe_module(module);

@@ -1,12 +1,15 @@
 // defines: what every data-parallel engine does to become a replica of rank 0's model (set_up_replica), the buffer
-// rule they all follow (BufferSync).
+// rule they all follow (BufferSync), and the factor their reductions scale gradients by (gradient_factor).
 #pragma once
+#include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/torch.h>
 
 #include "gradsync/collectives.h"
+#include "gradsync/reduction.h"
 
 namespace gradsync {
 
@@ -41,5 +44,12 @@ class BufferSync {
   bool required_ = true;
   int root_ = 0;
 };
+
+// What each rank's gradient is multiplied by before the SUM (Note [Where the division happens]): 1/ranks for Mean,
+// 1 for Sum, 1/T for GlobalMean with T = `items` (0 for a step without items).
+double gradient_factor(Reduction reduction, int ranks, const std::optional<int64_t>& items);
+// GlobalMean needs the step's item count before the synchronising backward: ConfigError naming `who` and `rank`
+// when it is missing; nothing for the other reductions.
+void require_item_count(const std::string& who, int rank, Reduction reduction, const std::optional<int64_t>& items);
 
 }  // namespace gradsync

@@ -169,11 +169,6 @@ void FlatParam::release_grad_buffer() {
   grad_buffer_ = torch::Tensor();
 }
 
-void FlatParam::reduce_grads(Collectives& comm, double factor, CommStats& stats) {
-  start_reduce(comm, factor, stats);
-  finish_reduce();
-}
-
 void FlatParam::start_reduce(Collectives& comm, double factor, CommStats& stats) {
   ensure_grad_buffer();  // a unit that received no gradient on this rank contributes zeros
   torch::NoGradGuard no_grad;

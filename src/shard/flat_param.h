@@ -83,11 +83,9 @@ class FlatParam {
   // Reduces the unsharded gradient over ranks in the reduce dtype (see Note [Mixed precision on Gloo]): multiplied
   // by `factor` first (1/N for Mean, 1 for Sum, 1/T for GlobalMean: Note [Where the division happens]), then
   // SUMmed; adds this rank's part to shard().grad() (sets it when undefined), then releases the buffer:
-  // reduce-scatter when sharded, allreduce otherwise.
-  void reduce_grads(Collectives& comm, double factor, CommStats& stats);  // start_reduce + finish_reduce
-  // The same in two halves: the reduction starts (the gradient buffer must not change until finish_reduce(), which
-  // waits for it, adds this rank's part into shard().grad() and releases the buffer). finish_reduce() is a no-op
-  // when none is in flight.
+  // reduce-scatter when sharded, allreduce otherwise. In two halves: the reduction starts (the gradient buffer must
+  // not change until finish_reduce(), which waits for it, adds this rank's part into shard().grad() and releases
+  // the buffer). finish_reduce() is a no-op when none is in flight.
   void start_reduce(Collectives& comm, double factor, CommStats& stats);
   void finish_reduce();
   void release_grad_buffer();  // .grad of the parameters becomes undefined

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/consistency.h"
 #include "gradsync/error.h"
 
 namespace gradsync {
@@ -79,18 +80,6 @@ std::string describe(const ParamState& s) {
   return fmt::format("{}step {}", fmt::join(names, ","), s.step ? std::to_string(*s.step) : "-");
 }
 
-void check_same_on_every_rank(Collectives& comm, const FlatParam& flat, const ParamState& mine) {
-  const auto everyone = comm.allgather_strings(describe(mine));
-  std::vector<std::string> differing;
-  for (size_t r = 1; r < everyone.size(); ++r) {
-    if (everyone[r] != everyone[0]) differing.push_back(fmt::format("rank {}: {}", r, everyone[r]));
-  }
-  if (differing.empty()) return;
-  throw DistributedError(fmt::format("full_optim_state_dict: unit '{}' has different optimizer state on the ranks "
-                                     "(rank 0: {}; {}): was every rank's optimizer stepped alike?", flat.name(),
-                                     everyone[0], fmt::join(differing, "; ")));
-}
-
 }  // namespace
 
 c10::IValue optim_state_value(const std::vector<NamedParamState>& states, const optim::Optimizer& optimizer,
@@ -157,7 +146,8 @@ std::vector<NamedParamState> gather_optim_states(Collectives& comm, const std::v
   std::vector<NamedParamState> out;
   for (const auto* flat : flats) {
     const auto mine = shard_state(*flat, optimizer);
-    check_same_on_every_rank(comm, *flat, mine);
+    // The same state names and step on every rank, or the all-gathers below would pair different tensors.
+    check_same_on_every_rank(comm, fmt::format("full_optim_state_dict: unit '{}'", flat->name()), {describe(mine)});
     std::vector<torch::Tensor> whole;
     for (const auto& [name, tensor] : mine.tensors) whole.push_back(flat->gather_shards(comm, tensor.reshape({-1})));
     for (const auto& e : flat->entries()) {

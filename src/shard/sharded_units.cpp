@@ -36,12 +36,6 @@ void ShardedUnits::start_gather(size_t u, OrderCheck::Op op) {
   sample_memory();
 }
 
-void ShardedUnits::reduce(size_t u) {
-  start_reduce(u);
-  flats[u]->finish_reduce();
-  sample_memory();
-}
-
 void ShardedUnits::start_reduce(size_t u) {
   auto& flat = *flats[u];
   order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
@@ -165,11 +159,7 @@ void ShardedUnits::end_forward() {
 // Every rank checks before its backward issues a collective (a real one in its first hook, a shadow one first
 // thing), so a missing count fails everywhere instead of leaving a shadow rank waiting.
 void ShardedUnits::require_item_count() const {
-  if (backward_sync && options.reduction() == Reduction::GlobalMean && !global_items) {
-    throw ConfigError(fmt::format("{} on rank {}: Reduction::GlobalMean needs the step's item count over all ranks "
-                                  "before the synchronising backward; use gradsync::accumulate_global_mean() or "
-                                  "set_global_item_count()", kWho, world->rank()));
-  }
+  if (backward_sync) gradsync::require_item_count(kWho, world->rank(), options.reduction(), global_items);
 }
 
 void ShardedUnits::start_backward() {
@@ -297,14 +287,7 @@ int64_t ShardedUnits::agree_micro_batches(int64_t micro_batches) {
       stuck.empty() ? std::string("none: no rank has a micro-batch") : fmt::format("{}", fmt::join(stuck, ", "))));
 }
 
-double ShardedUnits::grad_factor() const {
-  switch (options.reduction()) {
-    case Reduction::Mean: return 1.0 / size();
-    case Reduction::Sum: return 1.0;
-    case Reduction::GlobalMean: return global_items && *global_items > 0 ? 1.0 / static_cast<double>(*global_items) : 0;
-  }
-  return 1.0;
-}
+double ShardedUnits::grad_factor() const { return gradient_factor(options.reduction(), size(), global_items); }
 
 void ShardedUnits::free_all() {
   for (auto& f : flats) f->free();

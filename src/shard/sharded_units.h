@@ -114,7 +114,6 @@ class ShardedUnits {
   void leave_unit(size_t u, bool needs_backward);
   void gather(size_t u, OrderCheck::Op op);
   void start_gather(size_t u, OrderCheck::Op op);
-  void reduce(size_t u);
   void start_reduce(size_t u);
   void finish_reductions(size_t keep_in_flight);
   size_t gathered_units() const;

@@ -62,19 +62,8 @@ class Zero1Shard {
     sample_memory();
   }
   double grad_factor() const {
-    switch (options.reduction()) {
-      case Reduction::Mean: return 1.0 / world->size();
-      case Reduction::Sum: return 1.0;
-      case Reduction::GlobalMean:
-        if (!global_items) {
-          throw ConfigError(fmt::format("Zero1DataParallel on rank {}: Reduction::GlobalMean needs the step's item "
-                                        "count over all ranks before the synchronising backward; use "
-                                        "gradsync::accumulate_global_mean() or set_global_item_count()",
-                                        world->rank()));
-        }
-        return *global_items > 0 ? 1.0 / static_cast<double>(*global_items) : 0.0;
-    }
-    return 1.0;
+    require_item_count("Zero1DataParallel", world->rank(), options.reduction(), global_items);
+    return gradient_factor(options.reduction(), world->size(), global_items);
   }
   void on_gradient(const std::weak_ptr<Zero1Shard>& self) {
     if (!backward_sync || callback_queued) return;
