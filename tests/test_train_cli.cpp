@@ -57,6 +57,10 @@ TEST(TrainCli, BadFlagsAreRejectedWithTheValueAndWhatIsAllowed) {
   expect_error(with({"--global-batch", "16", "--loss", "hinge"}), "--loss: hinge not in {ce,mse}");
   expect_error(with({"--global-batch", "16", "--world-size", "1025"}), "--world-size: Value 1025 not in range 1 to 1024");
   expect_error(with({"--global-batch", "16", "--accumulate", "0"}), "--accumulate: Value 0 not in range 1 to");
+  // Integers past int64 are refused, not clamped or wrapped.
+  expect_error(with({"--global-batch", "16", "--steps", "99999999999999999999"}),
+               "--steps: Value 99999999999999999999 not in range 0 to");
+  expect_error(with({"--global-batch", "16", "--seed", "-1"}), "--seed: Value -1 not in range 0 to");
   // Numbers must be finite (inf and nan would train to nan or break every deadline), files usable up front.
   expect_error(with({"--global-batch", "16", "--lr", "inf"}), "--lr inf is invalid; expected a finite number > 0");
   expect_error(with({"--global-batch", "16", "--weight-decay", "inf"}),

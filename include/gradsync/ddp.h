@@ -65,6 +65,8 @@ class DistributedDataParallel : public Engine {
   void track_optimizer(const torch::optim::Optimizer* optimizer) override;
   StateDict state_dict(bool rank0_only = false) override;  // this rank's own module (replicas are equal)
   void load_state_dict(const StateDict& state) override;  // rank 0's state, then broadcast
+  StateDict layout_state() const override;                // {"bucket_order": [indices]} once rebuilt, else {}
+  void load_layout_state(const StateDict& state) override;  // the rebuilt buckets, as if this run had built them
   MemoryStats memory() const override;   // module parameters, .grad, optimizer state (buckets not counted)
   CommStats traffic() const override;    // bucket allreduces
   torch::nn::Module& module() override;

@@ -147,6 +147,12 @@ class Engine {
   // Collective. Loads rank 0's `state` everywhere (other ranks may pass an empty one). Strict: a missing,
   // unexpected or mis-shaped key fails on every rank, naming it, and nothing is modified.
   virtual void load_state_dict(const StateDict& state) = 0;
+  // What else a bit-exact resume needs of the engine itself, the same on every rank: DDP's bucket order once its
+  // buckets were rebuilt (a different bucket layout sums across three or more ranks in another order). Empty for
+  // the other engines. load_layout_state() takes what the same kind of engine returned, before the first forward;
+  // a state that does not fit (other parameters) is a ConfigError naming it.
+  virtual StateDict layout_state() const { return {}; }
+  virtual void load_layout_state(const StateDict& state) {}
 
   // ---- what it costs ---------------------------------------------------------------------------------------
   virtual MemoryStats memory() const = 0;  // parameters, gradients, optimizer state held by this rank

@@ -1,5 +1,6 @@
 // defines: the umbrella header: everything a gradsync user writes against.
 #pragma once
+#include "gradsync/checkpoint.h"
 #include "gradsync/collectives.h"
 #include "gradsync/comm_hook.h"
 #include "gradsync/ddp.h"

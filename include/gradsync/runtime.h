@@ -23,6 +23,11 @@ struct LaunchEnv {
   int master_port = 0;      // 0 when unused
   std::string store_file;   // GRADSYNC_STORE_FILE: a c10d FileStore handed over by `gradsync launch`
   bool agent_store = false; // torchrun's TORCHELASTIC_USE_AGENT_STORE: every rank is a store client
+  // Rank 0's TCP store (MASTER_ADDR/MASTER_PORT, when gradsync serves it): GRADSYNC_STORE_TOKEN, the job's secret
+  // every key must carry (the same on every rank; unset: none), and GRADSYNC_STORE_BIND, the address to listen on
+  // instead of MASTER_ADDR ("0.0.0.0": every interface; unset: MASTER_ADDR's address only).
+  std::string store_token;
+  std::string store_bind;
   int restart_count = 0;    // TORCHELASTIC_RESTART_COUNT: keeps store keys of a restarted job apart
   std::string source;       // "torchrun", "openmpi", "pmi" (MPICH's mpiexec), "slurm" (srun) or "none"
   // GRADSYNC_BACKEND=gloo|mpi; unset: mpi under mpirun (source "openmpi"), gloo everywhere else. Gloo needs a

@@ -31,6 +31,10 @@ void save_torch_file(const c10::IValue& value, const std::string& path);
 // with consume_prefix_in_state_dict_if_present(state, "module.").
 StateDict load_state_dict(const std::string& path);
 
+// The dict of tensors in a value read_torch_file() returned, in its order; ConfigError starting with `what`
+// ("state file 'x.pt'") for anything else.
+StateDict to_state_dict(const c10::IValue& value, const std::string& what);
+
 // PyTorch's torch.nn.modules.utils.consume_prefix_in_state_dict_if_present: every key that starts with `prefix`
 // loses it (DDP's "module.", FSDP's wrapper prefixes); other keys stay as they are. Returns how many keys changed.
 size_t consume_prefix_in_state_dict_if_present(StateDict& state, const std::string& prefix);

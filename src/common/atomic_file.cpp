@@ -79,6 +79,8 @@ class TempFile {
   bool renamed_ = false;
 };
 
+}  // namespace
+
 // Best effort: the rename has happened, so the path already holds the new file; a file system that cannot fsync a
 // directory (EINVAL) must not turn a complete save into a reported failure.
 void fsync_directory(const std::string& dir) {
@@ -88,30 +90,52 @@ void fsync_directory(const std::string& dir) {
   ::close(fd);
 }
 
-}  // namespace
-
 int create_exclusive(const std::string& path) {
   return ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
 }
 
-int remove_stale_temp_files(const std::string& path) {
-  const std::string prefix = base_name(path) + ".tmp.";
-  DIR* dir = ::opendir(directory_of(path).c_str());
+namespace {
+
+// "<pid>.<random>" of a temp name's tail: the writer's pid, or 0 when `rest` is not that.
+long temp_writer_pid(const std::string& rest) {
+  const auto dot = rest.find('.');
+  if (dot == std::string::npos || dot == 0 || rest.find_first_not_of("0123456789") != dot) return 0;
+  const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
+  return pid > 0 && pid <= 0x7fffffff ? pid : 0;
+}
+
+bool writer_runs(long pid) {
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;  // EPERM: runs, not ours
+}
+
+// Removes the entries of `dir` whose name is <base>.tmp.<pid>.<random> with `base` accepted by `wanted` and a pid
+// that no longer runs.
+template <typename Wanted>
+int remove_stale_in(const std::string& directory, Wanted&& wanted) {
+  DIR* dir = ::opendir(directory.c_str());
   if (!dir) return 0;
   int removed = 0;
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
-    if (name.rfind(prefix, 0) != 0) continue;
-    const std::string rest = name.substr(prefix.size());  // <pid>.<random>
-    const auto dot = rest.find('.');
-    if (dot == std::string::npos || dot == 0 || rest.find_first_not_of("0123456789") != dot) continue;
-    const long pid = std::strtol(rest.substr(0, dot).c_str(), nullptr, 10);
-    if (pid > 0 && pid <= 0x7fffffff && ::kill(static_cast<pid_t>(pid), 0) == 0) continue;  // its writer runs
-    if (pid > 0 && pid <= 0x7fffffff && errno == EPERM) continue;                          // runs, not ours
+    const auto tmp = name.rfind(".tmp.");
+    if (tmp == std::string::npos || tmp == 0 || !wanted(name.substr(0, tmp))) continue;
+    const long pid = temp_writer_pid(name.substr(tmp + 5));
+    if (pid == 0 || writer_runs(pid)) continue;
     removed += ::unlinkat(::dirfd(dir), name.c_str(), 0) == 0;  // a symlink itself, never its target
   }
   ::closedir(dir);
   return removed;
+}
+
+}  // namespace
+
+int remove_stale_temp_files(const std::string& path) {
+  const std::string base = base_name(path);
+  return remove_stale_in(directory_of(path), [&](const std::string& name) { return name == base; });
+}
+
+int remove_stale_temp_files_in(const std::string& directory) {
+  return remove_stale_in(directory, [](const std::string&) { return true; });
 }
 
 void write_file_atomically(const std::string& path, const std::vector<char>& bytes) {

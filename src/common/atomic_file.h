@@ -23,6 +23,11 @@ int create_exclusive(const std::string& path);
 
 // Removes <path>.tmp.<pid>.* entries whose pid no longer runs; returns how many.
 int remove_stale_temp_files(const std::string& path);
+// The same for every file of `directory`: any <name>.tmp.<pid>.<random> whose pid no longer runs.
+int remove_stale_temp_files_in(const std::string& directory);
+
+// fsync of a directory (after a rename, mkdir or unlink in it), so the change survives a crash; best effort.
+void fsync_directory(const std::string& dir);
 
 // Creates DIR and its missing parents (mkdir -p); throws Error naming the first directory that cannot be made.
 void make_directories(const std::string& dir);

@@ -72,20 +72,23 @@ c10::IValue read_torch_file(const std::string& path, const std::string& kind, co
   }
 }
 
-StateDict load_state_dict(const std::string& path) {
-  const auto value = read_torch_file(path, "state file", kStateFileHint);
+StateDict to_state_dict(const c10::IValue& value, const std::string& what) {
   if (!value.isGenericDict()) {
-    throw ConfigError(fmt::format("state file '{}' holds a {}, expected a dict of tensors (save it with "
-                                  "torch.save(model.state_dict(), path))", path, value.tagKind()));
+    throw ConfigError(fmt::format("{} holds a {}, expected a dict of tensors (save it with "
+                                  "torch.save(model.state_dict(), path))", what, value.tagKind()));
   }
   StateDict out;
   for (const auto& entry : value.toGenericDict()) {
     if (!entry.key().isString() || !entry.value().isTensor()) {
-      throw ConfigError(fmt::format("state file '{}': every entry must map a string to a tensor", path));
+      throw ConfigError(fmt::format("{}: every entry must map a string to a tensor", what));
     }
     out.emplace_back(entry.key().toStringRef(), entry.value().toTensor());
   }
   return out;
+}
+
+StateDict load_state_dict(const std::string& path) {
+  return to_state_dict(read_torch_file(path, "state file", kStateFileHint), fmt::format("state file '{}'", path));
 }
 
 size_t consume_prefix_in_state_dict_if_present(StateDict& state, const std::string& prefix) {

@@ -100,10 +100,63 @@ const DdpOptions& DistributedDataParallel::options() const { return reducer_->op
 World& DistributedDataParallel::world() { return *reducer_->world; }
 size_t DistributedDataParallel::bucket_count() const { return reducer_->buckets.size(); }
 
-std::vector<std::vector<std::string>> DistributedDataParallel::bucket_parameter_names() const {
-  std::vector<std::vector<std::string>> out;
-  for (size_t b = 0; b < reducer_->buckets.size(); ++b) out.push_back(reducer_->bucket_names(b));
-  return out;
+// Three states: rebuilt ("bucket_order": the order; empty when the initial layout was kept because rank 0 joined),
+// a rebuild due at the next forward ("ready_order": rank 0's gradient order, which that rebuild will broadcast), or
+// nothing yet (no entry). Never with find_unused_parameters, where buckets are not rebuilt.
+StateDict DistributedDataParallel::layout_state() const {
+  std::lock_guard<std::mutex> lock(reducer_->mutex);
+  const auto& r = *reducer_;
+  const auto as_tensor = [](const std::vector<size_t>& order) {
+    return torch::tensor(std::vector<int64_t>(order.begin(), order.end()), torch::kLong);
+  };
+  if (r.options.find_unused_parameters()) return {};
+  if (r.rebuilt) return {{"bucket_order", as_tensor(r.rebuilt_order)}};
+  if (r.synced_once && r.ready_order.size() == r.params.size()) return {{"ready_order", as_tensor(r.ready_order)}};
+  return {};
+}
+
+namespace {
+
+// A permutation of 0..n-1 (empty allowed for bucket_order: the initial layout), or a ConfigError.
+std::vector<size_t> order_of(const std::string& name, const torch::Tensor& t, size_t n) {
+  std::vector<size_t> order;
+  std::vector<bool> seen(n, false);
+  bool valid = t.dim() == 1 && t.scalar_type() == torch::kLong &&
+               (t.numel() == static_cast<int64_t>(n) || (name == "bucket_order" && t.numel() == 0));
+  for (int64_t i = 0; valid && i < t.numel(); ++i) {
+    const int64_t p = t[i].item<int64_t>();
+    valid = p >= 0 && p < static_cast<int64_t>(n) && !seen[static_cast<size_t>(p)];
+    if (valid) seen[static_cast<size_t>(p)] = true;
+    order.push_back(static_cast<size_t>(p));
+  }
+  if (!valid) {
+    throw ConfigError(fmt::format("DistributedDataParallel: layout state '{}' is not an order of this model's {} "
+                                  "trainable parameters (a permutation of 0..{})", name, n, n - 1));
+  }
+  return order;
+}
+
+}  // namespace
+
+// Every rank loads the same state (a checkpoint's), so the layouts agree without a broadcast.
+void DistributedDataParallel::load_layout_state(const StateDict& state) {
+  std::lock_guard<std::mutex> lock(reducer_->mutex);
+  auto& r = *reducer_;
+  if (state.empty() || r.options.find_unused_parameters()) return;
+  const auto& [name, tensor] = state.front();
+  if (state.size() != 1 || (name != "bucket_order" && name != "ready_order")) {
+    throw ConfigError(fmt::format("DistributedDataParallel: layout state has {} entries (first '{}'); expected one, "
+                                  "bucket_order or ready_order", state.size(), name));
+  }
+  auto order = order_of(name, tensor, r.params.size());
+  if (name == "ready_order") {
+    r.ready_order = std::move(order);
+    r.rebuild_due = true;  // the next forward rebuilds, as after this run's own first synchronised backward
+  } else if (order.empty()) {
+    r.rebuilt = true;  // the initial layout stays
+  } else {
+    r.rebuild_buckets(order);
+  }
 }
 
 BackwardTimeline DistributedDataParallel::last_timeline() const {

@@ -212,7 +212,7 @@ void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
 // of its own and receives rank 0's): one side deciding alone would leave the other waiting in the broadcast. If
 // rank 0 itself joined, it has no order to give, and every rank keeps the initial layout.
 void Reducer::maybe_rebuild_buckets() {
-  if (rebuilt || options.find_unused_parameters() || !synced_once) return;
+  if (rebuilt || options.find_unused_parameters() || !(synced_once || rebuild_due)) return;
   std::vector<int64_t> mine(params.size(), -1);
   if (ready_order.size() == params.size()) std::copy(ready_order.begin(), ready_order.end(), mine.begin());
   auto order = torch::tensor(mine, torch::kLong);
@@ -222,7 +222,14 @@ void Reducer::maybe_rebuild_buckets() {
   if (params.empty() || order[0].item<int64_t>() < 0) return;
   std::vector<size_t> agreed(params.size());
   for (size_t i = 0; i < agreed.size(); ++i) agreed[i] = static_cast<size_t>(order[static_cast<int64_t>(i)].item<int64_t>());
-  build_buckets(rebuilt_bucket_layout(params, agreed, options.first_bucket_bytes(), options.bucket_cap_bytes()));
+  rebuild_buckets(agreed);
+}
+
+void Reducer::rebuild_buckets(const std::vector<size_t>& order) {
+  build_buckets(rebuilt_bucket_layout(params, order, options.first_bucket_bytes(), options.bucket_cap_bytes()));
+  rebuilt_order = order;
+  rebuilt = true;
+  ready_order.clear();
 }
 
 void Reducer::set_up(const std::shared_ptr<Reducer>& self) {

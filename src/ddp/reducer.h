@@ -56,6 +56,8 @@ class Reducer {
   bool rebuilt = false;                // the layout follows the observed gradient order (once)
   bool synced_once = false;            // a synchronised backward (or a join) has completed
   std::vector<size_t> ready_order;     // gradient order seen in the first synchronised backward
+  std::vector<size_t> rebuilt_order;   // the agreed order the buckets were rebuilt in (empty: initial layout)
+  bool rebuild_due = false;            // a loaded layout state: rebuild at the next forward from ready_order
   std::optional<int64_t> global_items; // Reduction::GlobalMean: items in this step over all ranks
   std::optional<int64_t> join_divisor; // Join without divide_by_initial_world_size: ranks in this step
   CommHook comm_hook;                  // empty: the default path (scale while copying, SUM allreduce)
@@ -77,6 +79,7 @@ class Reducer {
   void mark_ready(size_t index, const std::weak_ptr<Reducer>& self);
   std::vector<std::string> bucket_names(size_t bucket) const;  // its parameters' names, in bucket order
   void sample_memory() const;
+  void rebuild_buckets(const std::vector<size_t>& order);  // the layout of that gradient order, from now on
 
  private:
   void queue_finalize(const std::weak_ptr<Reducer>& self);

@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
+#include "runtime/peers.h"
 #include "runtime/transport.h"
 
 namespace gradsync {
@@ -25,9 +26,12 @@ void PendingWork::wait() {
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
-    // Transports name only addresses; say which rank and which operation, and where to look for the peer's fate.
-    throw DistributedError(fmt::format("{} failed: {} (another rank exited, crashed or stalled; the launcher's "
-                                       "report names it)", what_, e.what()));
+    // Transports name only addresses; say which rank and which operation, and which peer is to blame when this
+    // host can tell (a stopped or vanished rank), or where to look.
+    const auto stalled = describe_stalled_peers();
+    throw DistributedError(fmt::format("{} failed: {}{}", what_, e.what(),
+                                       stalled.empty() ? " (another rank exited, crashed or stalled; the launcher's "
+                                                         "report names it)" : stalled));
   }
   if (then_) std::exchange(then_, nullptr)();
 }

@@ -113,6 +113,11 @@ LaunchEnv read_family(const EnvLookup& env, const VariableNames& names, const ch
   auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
   e.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   e.restart_count = optional_int(env, "TORCHELASTIC_RESTART_COUNT", 0, "an integer >= 0");
+  e.store_token = env("GRADSYNC_STORE_TOKEN").value_or("");
+  e.store_bind = env("GRADSYNC_STORE_BIND").value_or("");
+  if (e.store_token.find_first_of("/ \t\n") != std::string::npos) {
+    throw ConfigError("GRADSYNC_STORE_TOKEN must not contain '/' or white space; use e.g. 32 hex digits");
+  }
   return e;
 }
 

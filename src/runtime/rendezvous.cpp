@@ -26,7 +26,7 @@ std::vector<uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()
 RendezvousInfo parse_arrival(const std::vector<uint8_t>& raw) {
   std::istringstream in(std::string(raw.begin(), raw.end()));
   RendezvousInfo info;
-  in >> info.rank >> info.world_size >> info.host >> info.pid;
+  in >> info.rank >> info.world_size >> info.host >> info.pid >> info.machine;
   return info;
 }
 
@@ -50,9 +50,13 @@ std::vector<RendezvousInfo> read_arrivals(c10d::Store& store, int64_t begin, int
   for (const auto& a : present) {
     if (a.rank >= 0 && a.rank < me.world_size) seen[static_cast<size_t>(a.rank)] = true;
   }
-  std::vector<int> missing;
+  std::vector<std::string> missing;  // runs of ranks as "3" or "29-299": a thousand ranks stay one line
   for (int r = 0; r < me.world_size; ++r) {
-    if (!seen[static_cast<size_t>(r)]) missing.push_back(r);
+    if (seen[static_cast<size_t>(r)]) continue;
+    int last = r;
+    while (last + 1 < me.world_size && !seen[static_cast<size_t>(last + 1)]) ++last;
+    missing.push_back(last == r ? std::to_string(r) : fmt::format("{}-{}", r, last));
+    r = last;
   }
   throw DistributedError(fmt::format(
       "rendezvous timed out after {} ms on rank {}: {} of {} processes arrived; missing rank(s) {}", timeout.count(),
@@ -81,13 +85,23 @@ void check_arrivals(const std::vector<RendezvousInfo>& arrivals, const Rendezvou
   }
 }
 
+// The first world_size arrivals (checked: exactly ranks 0..N-1), indexed by rank.
+std::vector<RendezvousInfo> by_rank(const std::vector<RendezvousInfo>& seen, int world_size) {
+  std::vector<RendezvousInfo> out(static_cast<size_t>(world_size));
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (seen[i].rank >= 0 && seen[i].rank < world_size) out[static_cast<size_t>(seen[i].rank)] = seen[i];
+  }
+  return out;
+}
+
 }  // namespace
 
-void rendezvous(c10d::Store& store, const RendezvousInfo& me, std::chrono::milliseconds timeout) {
+std::vector<RendezvousInfo> rendezvous(c10d::Store& store, const RendezvousInfo& me,
+                                       std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   const int64_t my_index = store.add("arrivals", 1) - 1;
   store.set(fmt::format("arrival/{}", my_index),
-            bytes_of(fmt::format("{} {} {} {}", me.rank, me.world_size, me.host, me.pid)));
+            bytes_of(fmt::format("{} {} {} {} {}", me.rank, me.world_size, me.host, me.pid, me.machine)));
 
   // Entries are checked as they arrive, so a duplicate or a disagreeing world size fails at once instead of
   // waiting for a rank that will never come.
@@ -102,7 +116,7 @@ void rendezvous(c10d::Store& store, const RendezvousInfo& me, std::chrono::milli
       seen.insert(seen.end(), fresh.begin(), fresh.end());
       check_arrivals(seen, me);
     }
-    if (static_cast<int64_t>(seen.size()) >= needed) return;
+    if (static_cast<int64_t>(seen.size()) >= needed) return by_rank(seen, me.world_size);
     if (Clock::now() >= deadline) fail_missing(seen, me, timeout);
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(50));

@@ -8,10 +8,11 @@
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "gradsync/error.h"
+#include "runtime/peers.h"
 #include "runtime/rendezvous.h"
+#include "runtime/tcp_store.h"
 #include "runtime/transport.h"
 
 namespace gradsync {
@@ -28,19 +29,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const LaunchEnv& env, std::chrono:
     return c10::make_intrusive<c10d::HashStore>();  // single process: nothing to meet
   }
   if (!env.store_file.empty()) return c10::make_intrusive<c10d::FileStore>(env.store_file, env.world_size);
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<uint16_t>(env.master_port);
-  options.isServer = env.rank == 0 && !env.agent_store;
-  options.numWorkers = env.world_size;
-  options.waitWorkers = false;  // gradsync's rendezvous waits, and names the ranks that never came
-  options.timeout = timeout;
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
-  } catch (const std::exception& e) {
-    throw DistributedError(fmt::format(
-        "rank {} of {}: cannot {} the rendezvous store at {}:{}: {}", env.rank, env.world_size,
-        options.isServer ? "serve" : "connect to", env.master_addr, env.master_port, e.what()));
-  }
+  return open_tcp_store(env, timeout);
 }
 
 // A FileStore deletes its file when as many processes as it was told have destroyed it. After a failed
@@ -63,8 +52,11 @@ std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, co
   store->setTimeout(timeout);
   c10d::PrefixStore rendezvous_store(prefix + "/rendezvous", store);
   try {
-    rendezvous(rendezvous_store, RendezvousInfo{env.rank, env.world_size, host_name(), static_cast<long>(getpid())},
-               timeout);
+    remember_peers(rendezvous(rendezvous_store,
+                              RendezvousInfo{env.rank, env.world_size, host_name(), static_cast<long>(getpid()),
+                                             machine_identity()},
+                              timeout),
+                   env.rank);
   } catch (...) {
     keep_store_alive(store);
     throw;

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
@@ -295,5 +296,37 @@ bool process_alive(pid_t pid) {
 std::string make_temp_dir(const std::string& prefix) { return cli::make_temp_dir(prefix); }
 
 int free_port() { return cli::free_port(); }
+
+std::vector<pid_t> children_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+  std::vector<pid_t> out;
+  for (pid_t child; in >> child;) out.push_back(child);
+  return out;
+}
+
+size_t line_count(const std::string& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+std::vector<std::string> listeners_on(int port) {
+  std::vector<std::string> out;
+  for (const char* file : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(file);
+    std::string line;
+    std::getline(in, line);  // the header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      if (state == "0A" && local.size() > 5 && std::stoi(local.substr(local.size() - 4), nullptr, 16) == port) {
+        out.push_back(local);  // 0A: LISTEN
+      }
+    }
+  }
+  return out;
+}
 
 }  // namespace gradsync::test

@@ -85,5 +85,10 @@ ProcessResult run_mpi_ranks(int world_size, std::vector<std::string> argv, Comma
 bool process_alive(pid_t pid);  // true if /proc/<pid> exists and is not a zombie
 std::string make_temp_dir(const std::string& prefix);  // a fresh directory under $TMPDIR or /tmp
 int free_port();  // a TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read, close)
+std::vector<pid_t> children_of(pid_t pid);  // its child processes (/proc/<pid>/task/<pid>/children)
+size_t line_count(const std::string& path);  // lines in a file (0 when it does not exist): a log's progress
+// Local addresses ("0100007F:1F90": 127.0.0.1:8080, in /proc/net's hex) of the sockets listening on `port`, from
+// /proc/net/tcp and /proc/net/tcp6.
+std::vector<std::string> listeners_on(int port);
 
 }  // namespace gradsync::test

@@ -15,11 +15,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <system_error>
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gradsync/error.h"
 #include "launch/line_forwarder.h"
@@ -42,6 +44,14 @@ void report(fmt::format_string<Args...> format, Args&&... args) {
   write_all(STDERR_FILENO, "gradsync launch: " + fmt::format(format, std::forward<Args>(args)...) + "\n");
 }
 
+// The state letter of /proc/<pid>/stat (R, S, T, Z, ...), '?' when it cannot be read.
+char process_state(pid_t pid) {
+  std::ifstream in(fmt::format("/proc/{}/stat", pid));
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto paren = stat.rfind(')');
+  return paren == std::string::npos || paren + 2 >= stat.size() ? '?' : stat[paren + 2];
+}
+
 std::string signal_name(int sig) {
   const char* name = strsignal(sig);
   return name != nullptr ? name : "unknown signal";
@@ -59,6 +69,11 @@ struct Rank {
 class Launcher {
  public:
   explicit Launcher(const LaunchOptions& options) : options_(options) {}
+
+  // The first failure, as reported ("rank 1 (pid 123) was killed by signal 9 (Killed)"); "" when none.
+  const std::string& first_failure() const { return first_failure_; }
+  // Stopped by a signal to the launcher (SIGINT, SIGTERM, SIGHUP): a restart would not be wanted.
+  bool signalled() const { return launcher_signals_ > 0; }
 
   int run() {
     int port = options_.master_port != 0 ? options_.master_port : free_port();
@@ -94,6 +109,8 @@ class Launcher {
       int err = start_rank(rank, path, options_.command, rank_environment(common, options_, r));
       if (err != 0) on_exec_failure(rank, err, options_.command[0]);
       handle_signals();  // a Ctrl-C during start-up stops the start-up too
+      reap_ranks();      // so does a rank that already failed (a rendezvous timed out while hundreds start)
+      if (exit_code_ && r + 1 < options_.nproc) report("started {} of {} ranks; starting no more", r + 1, options_.nproc);
     }
   }
 
@@ -135,8 +152,10 @@ class Launcher {
   }
 
   void on_exec_failure(const Rank& rank, int err, const std::string& what) {
-    report("{}: cannot execute '{}': {}{}", rank.name, what, std::strerror(err),
-           rank.index > 0 ? "; stopping the other ranks" : "");
+    if (first_failure_.empty()) {
+      first_failure_ = fmt::format("{}: cannot execute '{}': {}", rank.name, what, std::strerror(err));
+    }
+    report("{}{}", first_failure_, rank.index > 0 ? "; stopping the other ranks" : "");
     fail(127);
     stop(SIGTERM);
   }
@@ -203,17 +222,31 @@ class Launcher {
     if (exit_code_) return;  // already stopping: this exit is the expected consequence
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
     read_outputs(r);  // its last words first, then the verdict
+    if (const auto stopped = stopped_ranks(); !stopped.empty()) {
+      // A stopped rank fails nobody itself: the others time out waiting for it. It is the cause, name it first.
+      first_failure_ = fmt::format("{} stopped (SIGSTOP or a debugger), so the others waited for it; ", stopped);
+    }
     if (WIFEXITED(status)) {
-      report("{} (pid {}) exited with code {}; stopping the other ranks", r.name, r.pid,
-             WEXITSTATUS(status));
+      first_failure_ += fmt::format("{} (pid {}) exited with code {}", r.name, r.pid, WEXITSTATUS(status));
       fail(WEXITSTATUS(status));
     } else {
       int sig = WTERMSIG(status);
-      report("{} (pid {}) was killed by signal {} ({}); stopping the other ranks", r.name, r.pid, sig,
-             signal_name(sig));
+      first_failure_ += fmt::format("{} (pid {}) was killed by signal {} ({})", r.name, r.pid, sig, signal_name(sig));
       fail(128 + sig);
     }
+    report("{}; stopping the other ranks", first_failure_);
     stop(SIGTERM);
+  }
+
+  // "rank 1 (pid 123) is" / "rank 1 (pid 123) and rank 2 (pid 124) are" for the running ranks in stopped state.
+  std::string stopped_ranks() const {
+    std::vector<std::string> names;
+    for (const Rank& r : ranks_) {
+      const char state = r.running ? process_state(r.pid) : '?';
+      if (state == 'T' || state == 't') names.push_back(fmt::format("{} (pid {})", r.name, r.pid));
+    }
+    if (names.empty()) return "";
+    return fmt::format("{} {}", fmt::join(names, " and "), names.size() == 1 ? "is" : "are");
   }
 
   // Only the first failure is the cause: later ones are usually its consequences.
@@ -229,7 +262,9 @@ class Launcher {
 
   void signal_running(int sig) {
     for (const Rank& r : ranks_) {
-      if (r.running) kill(-r.pid, sig);
+      if (!r.running) continue;
+      kill(-r.pid, sig);
+      if (sig != SIGKILL) kill(-r.pid, SIGCONT);  // a stopped rank handles the signal only once it runs again
     }
   }
 
@@ -273,6 +308,7 @@ class Launcher {
   SignalPipe* signals_ = nullptr;
   std::optional<Clock::time_point> kill_at_;
   std::optional<int> exit_code_;
+  std::string first_failure_;
   int launcher_signals_ = 0;
 };
 
@@ -309,14 +345,41 @@ void validate(const LaunchOptions& o) {
   if (o.grace.count() < 0) {
     throw ConfigError(fmt::format("--grace-period must be >= 0, got {} ms", o.grace.count()));
   }
+  if (o.max_restarts < 0 || o.max_restarts > kMaxRestarts) {
+    throw ConfigError(fmt::format("--max-restarts must be an integer from 0 to {}, got '{}'", kMaxRestarts,
+                                  o.max_restarts));
+  }
   if (o.command.empty() || o.command[0].empty()) {
     throw ConfigError("a command to run is required after '--'");
   }
 }
 
+// Like torchrun's elastic agent: a failed group is stopped whole and started again, with
+// TORCHELASTIC_RESTART_COUNT telling the ranks which attempt this is (they resume from their checkpoint).
 int launch(const LaunchOptions& options) {
   validate(options);
-  return Launcher(options).run();
+  std::string first_failure;
+  int first_code = 0;
+  for (int attempt = 0;; ++attempt) {
+    LaunchOptions attempt_options = options;
+    attempt_options.extra_env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt));
+    attempt_options.extra_env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts));
+    Launcher launcher(attempt_options);
+    const int code = launcher.run();
+    // A signal to the launcher means stop; a command that cannot be executed will not run the next time either.
+    if (code == 0 || code == 127 || launcher.signalled()) return code;
+    if (first_failure.empty()) {
+      first_failure = launcher.first_failure();
+      first_code = code;
+    }
+    if (attempt == options.max_restarts) {
+      if (options.max_restarts > 0) {
+        report("giving up after {} restart(s); the first failure: {}", options.max_restarts, first_failure);
+      }
+      return first_code;
+    }
+    report("restarting the group ({} of {})", attempt + 1, options.max_restarts);
+  }
 }
 
 }  // namespace gradsync::cli

@@ -16,6 +16,7 @@ class App;
 namespace gradsync::cli {
 
 inline constexpr int kMaxNproc = 1024;
+inline constexpr int kMaxRestarts = 1000;
 
 struct LaunchOptions {
   int nproc = 1;                           // ranks on this node, 1..kMaxNproc
@@ -24,6 +25,7 @@ struct LaunchOptions {
   std::string master_addr = "127.0.0.1";
   int master_port = 0;                     // 0: pick a free port
   std::chrono::milliseconds grace{5000};   // SIGTERM -> SIGKILL grace period
+  int max_restarts = 0;                    // a failed group is started again this many times (torchrun's)
   bool prefix_output = true;               // "[rank<r>]: " before every output line
   std::vector<std::string> command;        // argv; argv[0] looked up in PATH
   Backend backend = Backend::Gloo;         // Mpi: one mpirun starts the ranks (tools/launch/mpirun.h)
@@ -42,7 +44,9 @@ void validate(const LaunchOptions& options);
 // The first rank to fail (or a SIGINT/SIGTERM/SIGHUP to this process) stops the others: SIGTERM, then
 // SIGKILL after the grace period. Returns the exit status the CLI should return: 0 when every rank exited
 // 0, the first failing rank's exit code (128 + signal if it was killed), or 128 + signal when this process
-// was signalled. Every rank's process group is SIGKILLed before returning, so no process outlives it.
+// was signalled. With max_restarts R, a failed group (not a signalled launcher) is started again, up to R times,
+// with TORCHELASTIC_RESTART_COUNT = the attempt; after the last the first failure is reported and its exit
+// status returned. Every rank's process group is SIGKILLed before returning, so no process outlives it.
 // Installs temporary handlers for SIGINT/SIGTERM/SIGHUP/SIGCHLD/SIGPIPE (restored on return): call it
 // from one thread at a time, from a thread that outlives the ranks (ranks use PR_SET_PDEATHSIG).
 // Throws gradsync::ConfigError for invalid options (see validate()), std::system_error if a rank cannot be

@@ -1,6 +1,6 @@
 // `gradsync launch`: the subcommand's options, turned into LaunchOptions and handed to launch().
 //
-// -n, --master-port and --grace-period are read as strings and converted here, not by CLI11, so that a bad
+// -n, --master-port, --max-restarts and --grace-period are read as strings and converted here, not by CLI11, so that a bad
 // value gets the launcher's own report (the option, the value as typed, the allowed range, then the usage;
 // exit status 2) and integers are decimal: CLI11 2.1 converts with base 0, reading "010" as 8.
 #include <cerrno>
@@ -20,7 +20,7 @@ namespace gradsync::cli {
 namespace {
 
 constexpr const char* kUsage = "usage: gradsync launch -n N [--nnodes M --node-rank R] [--master-addr A] "
-                               "[--master-port P] [--grace-period SECONDS] [--no-prefix] [--backend gloo|mpi] "
+                               "[--master-port P] [--grace-period SECONDS] [--max-restarts R] [--no-prefix] [--backend gloo|mpi] "
                                "-- CMD [ARGS...]";
 
 struct CliArgs {
@@ -32,6 +32,7 @@ struct CliArgs {
   std::string master_addr = "127.0.0.1";
   std::string master_port = "0";
   std::string grace = "5";
+  std::string max_restarts = "0";
   bool no_prefix = false;
   std::string backend;
   std::vector<std::string> command;
@@ -75,6 +76,7 @@ LaunchOptions to_options(const CliArgs& a) {
   o.master_addr = a.master_addr;
   o.master_port = parse_int_in(a.master_port, "--master-port", 0, 65535, " (0: pick a free port)");
   o.grace = parse_seconds(a.grace, "--grace-period");
+  o.max_restarts = parse_int_in(a.max_restarts, "--max-restarts", 0, kMaxRestarts);
   o.prefix_output = !a.no_prefix;
   o.command = a.command;
   o.backend = backend_of(a.backend);
@@ -107,6 +109,9 @@ void add_launch_command(CLI::App& root, int& exit_code) {
   sub->add_flag("--no-python,--no_python", args->no_python,
                 "accepted for torchrun compatibility: CMD always runs as given");
   sub->add_option("--grace-period", args->grace, "seconds between SIGTERM and SIGKILL when stopping (default 5)");
+  sub->add_option("--max-restarts,--max_restarts", args->max_restarts,
+                  "restart the whole group this many times after a rank fails, 0..1000 (default 0), with "
+                  "TORCHELASTIC_RESTART_COUNT set; the ranks resume from their checkpoint (train --resume)");
   sub->add_flag("--no-prefix", args->no_prefix, "do not prefix output lines with [rank<r>]");
   add_backend_flag(sub, args->backend)
       ->description("gloo: start the ranks here, torchrun's way (default); mpi: run CMD under `mpirun -np N` "

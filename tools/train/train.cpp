@@ -2,6 +2,7 @@
 // same flags give the same parameters as the PyTorch reference (tests/reference/torch_train.py).
 #include "train/train.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,12 +10,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
 
 #include "data/data.h"
 #include "data/models.h"
@@ -30,6 +29,8 @@
 #include "train/flag.h"
 #include "train/resource_report.h"
 #include "train/schedule.h"
+#include "train/step_log.h"
+#include "train/checkpointing.h"
 #include "train/train_step.h"
 
 namespace gradsync::cli {
@@ -93,57 +94,6 @@ void freeze_parameters(const TrainConfig& c, const Model& model) {
                                   fmt::join(c.freeze, ",")));
   }
 }
-
-class StepLog {
- public:
-  StepLog(const std::string& path, bool enabled) {
-    if (!enabled || path.empty()) return;
-    file_.open(path);
-    if (!file_) throw ConfigError(fmt::format("--log {}: cannot open for writing: {}", path, std::strerror(errno)));
-  }
-  void write(const StepRecord& r) {
-    if (!file_.is_open()) return;
-    nlohmann::json line{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"samples", r.samples},
-                        {"seconds", r.seconds}};
-    if (r.memory_peak >= 0) line["memory_peak"] = r.memory_peak;
-    if (r.rss_peak >= 0) line["rss_peak"] = r.rss_peak;
-    if (r.sent_bytes >= 0) line["sent_bytes"] = r.sent_bytes;
-    file_ << line.dump() << "\n" << std::flush;
-  }
-  // --eval: {"epoch", "step" (the epoch's last), "test_accuracy"} after the epoch's step lines.
-  void write_accuracy(int64_t epoch, int64_t step, double percent) {
-    if (!file_.is_open()) return;
-    file_ << nlohmann::json{{"epoch", epoch}, {"step", step}, {"test_accuracy", percent}}.dump() << "\n" << std::flush;
-  }
-
- private:
-  std::ofstream file_;
-};
-
-// Progress on one line when a person is watching (stderr is a terminal, or the parent `train` saw one): the
-// step, the loss, samples per second over the whole job and the time left at that rate.
-class Progress {
- public:
-  Progress(bool enabled, int64_t total) : enabled_(enabled), total_(total) {}
-  void update(const StepRecord& r) {
-    if (!enabled_) return;
-    seconds_ += r.seconds;
-    samples_ += r.samples;
-    const double rate = seconds_ > 0 ? static_cast<double>(samples_) / seconds_ : 0;
-    const double eta = seconds_ / static_cast<double>(r.step + 1) * static_cast<double>(total_ - r.step - 1);
-    fmt::print(stderr, "\rstep {}/{}  epoch {}  loss {:.4f}  {:.0f} samples/s  ETA {:.0f}s   ", r.step + 1, total_,
-               r.epoch, r.loss, rate, eta);
-  }
-  ~Progress() {
-    if (enabled_) fmt::print(stderr, "\n");
-  }
-
- private:
-  bool enabled_;
-  int64_t total_;
-  double seconds_ = 0;
-  int64_t samples_ = 0;
-};
 
 constexpr double kMaxTimeoutSeconds = 86400.0 * 365;
 
@@ -225,6 +175,7 @@ void validate(const TrainConfig& c, int world_size) {
   check_output_directory("--save-state", c.save_state);
   check_output_directory("--save-optim", c.save_optim);
   check_output_directory("--log", c.log);
+  validate_checkpoint_flags(c);
   eval_data_spec(c);  // --eval has a split to use
 }
 
@@ -301,53 +252,91 @@ void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& recor
 
 }  // namespace
 
+namespace {
+
+// One rank's loop state: what every step needs besides its position.
+struct Loop {
+  const TrainConfig& c;
+  Run& run;
+  const std::shared_ptr<World>& world;
+  const BatchSchedule& schedule;
+  StepContext ctx;
+  StepFn step_fn;
+  int64_t micro_batch;
+  bool report;
+  // Gloo's bytes are the socket writes this process made; MPI's shared memory makes none, so there the count is
+  // the engine's own (each collective's ring bytes, CommStats).
+  int64_t bytes_sent() const {
+    const bool counted = world && world->backend() == Backend::Mpi;
+    return counted ? run.engine->traffic().total() : process_bytes_written();
+  }
+};
+
+StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
+  const int rank = loop.world ? loop.world->rank() : 0;
+  const auto start = Clock::now();
+  StepRecord record{step, epoch, 0, 0, 0};
+  const int64_t written_before = loop.report ? loop.bytes_sent() : 0;
+  inject_crash(loop.ctx, step);
+  try {
+    loop.step_fn(loop.ctx, loop.schedule, s, record);
+  } catch (const c10::Error& e) {
+    degenerate_batch(e, rank, record, loop.micro_batch);
+  }
+  const bool verify = loop.c.verify_every > 0 && step % loop.c.verify_every == 0;
+  if (verify) verify_gradient(loop.ctx, loop.schedule.step(rank, s), step);
+  loop.run.optimizer->step();
+  loop.run.engine->zero_grad();
+  if (verify && holds_replicas(loop.c.strategy)) verify_replicas(loop.ctx, step);
+  record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (loop.report) {
+    record.sent_bytes = loop.bytes_sent() - written_before;
+    record.memory_peak = loop.run.engine->memory().peak_total();
+    record.rss_peak = process_peak_resident_bytes();
+  }
+  return record;
+}
+
+}  // namespace
+
 std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<World>& world) {
   const int rank = world ? world->rank() : 0;
   validate(c, world ? world->size() : 1);
   auto run = set_up(c, world);
-  const bool report = reports_resources(c);
+  TrainCheckpoints checkpoints(c, world ? &world->comm() : nullptr);
   // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
   const int ranks = world ? world->size() : std::max(c.replay_ranks, 1);
   const int64_t b = c.global_batch / (ranks * c.accumulate);
   BatchSchedule schedule(run.data.size(), ranks, b, c.accumulate, c.shuffle, c.seed, !c.no_pad);
+  // Steps per epoch are ceil(n / B) at any world size (padding never adds a step), so a checkpoint's step within its
+  // epoch exists in this run too.
+  const Position start = checkpoints.resume(*run.engine, *run.optimizer);
   const int64_t steps = total_steps(c, schedule.steps_per_epoch());
-  const StepContext ctx{c, run.data, run.model, run.engine.get(), world, parse_reduction(c.reduction)};
-  const auto step_fn = choose_step(c, rank);
-  StepLog log(c.log, rank == 0);
+  if (start.step > steps) {
+    throw ConfigError(fmt::format("--resume: the checkpoint is at step {}, past the {} step(s) this run trains; "
+                                  "give --steps or --epochs beyond it", start.step, steps));
+  }
+  const Loop loop{c, run, world, schedule, {c, run.data, run.model, run.engine.get(), world, parse_reduction(c.reduction)},
+                  choose_step(c, rank), b, reports_resources(c)};
+  StepLog log(c.log, rank == 0, start.step);
   Progress progress(rank == 0 && !c.quiet && (isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS")), steps);
-  // Gloo's bytes are the socket writes this process made; MPI's shared memory makes none, so there the count is
-  // the engine's own (each collective's ring bytes, CommStats).
-  const bool counted = world && world->backend() == Backend::Mpi;
-  const auto bytes_sent = [&] { return counted ? run.engine->traffic().total() : process_bytes_written(); };
   std::vector<StepRecord> records;
-  for (int64_t step = 0, epoch = 0; step < steps; ++epoch) {
+  for (int64_t step = start.step, epoch = start.epoch; step < steps; ++epoch) {
     schedule.set_epoch(epoch);
-    for (int64_t s = 0; s < schedule.steps_per_epoch() && step < steps; ++s, ++step) {
-      const auto start = Clock::now();
-      StepRecord record{step, epoch, 0, 0, 0};
-      const int64_t written_before = report ? bytes_sent() : 0;
-      try {
-        step_fn(ctx, schedule, s, record);
-      } catch (const c10::Error& e) {
-        degenerate_batch(e, rank, record, b);
-      }
-      const bool verify = c.verify_every > 0 && step % c.verify_every == 0;
-      if (verify) verify_gradient(ctx, schedule.step(rank, s), step);
-      run.optimizer->step();
-      run.engine->zero_grad();
-      if (verify && holds_replicas(c.strategy)) verify_replicas(ctx, step);
-      record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
-      if (report) {
-        record.sent_bytes = bytes_sent() - written_before;
-        record.memory_peak = run.engine->memory().peak_total();
-        record.rss_peak = process_peak_resident_bytes();
-      }
-      log.write(record);
-      progress.update(record);
-      records.push_back(record);
+    const int64_t first = epoch == start.epoch ? start.step_in_epoch : 0, per_epoch = schedule.steps_per_epoch();
+    int64_t s = first;
+    for (; s < per_epoch && step < steps; ++s, ++step) {
+      records.push_back(run_step(loop, step, epoch, s));
+      log.write(records.back());
+      progress.update(records.back());
+      const bool ends_loop = s + 1 == per_epoch || step + 1 == steps;  // saved after the epoch's evaluation
+      if (!ends_loop) checkpoints.after_step({step + 1, epoch, s + 1}, steps, *run.engine, *run.optimizer);
     }
-    if (schedule.steps_per_epoch() == 0) break;
-    if (run.test.size() > 0 && !records.empty()) report_accuracy(c, run, epoch, records.back(), log, world);
+    if (per_epoch == 0) break;
+    if (s == first) continue;
+    if (run.test.size() > 0) report_accuracy(c, run, epoch, records.back(), log, world);
+    const Position next = s == per_epoch ? Position{step, epoch + 1, 0} : Position{step, epoch, s};
+    checkpoints.after_step(next, steps, *run.engine, *run.optimizer);
   }
   finish(c, run, records, world);
   return records;
@@ -372,15 +361,39 @@ void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records,
   }
   const auto& last = records.back();
   fmt::print("gradsync train: {} steps, {} epoch(s), world size {}, {} reduction; final loss {:.6f}{}{}\n",
-             records.size(), last.epoch + 1, world_size, c.strategy == Strategy::Local ? "no" : c.reduction, last.loss,
+             last.step + 1, last.epoch + 1, world_size, c.strategy == Strategy::Local ? "no" : c.reduction, last.loss,
              last.test_accuracy >= 0 ? fmt::format("; test accuracy {:.2f}%", last.test_accuracy) : "",
              c.save_state.empty() ? "" : fmt::format("; state saved to {}", c.save_state));
+}
+
+// The launcher's options for `n` ranks that re-run this command under it.
+LaunchOptions rank_launch_options(const TrainConfig& c, const std::vector<std::string>& argv, int n) {
+  LaunchOptions launch_options;
+  launch_options.nproc = n;
+  launch_options.backend = backend_of(c.backend);
+  launch_options.prefix_output = false;  // only rank 0 prints; errors carry their rank in the message
+  launch_options.command = {self_executable()};
+  launch_options.command.insert(launch_options.command.end(), argv.begin(), argv.end());
+  if (isatty(STDERR_FILENO)) launch_options.extra_env.emplace_back("GRADSYNC_PROGRESS", "1");
+  return launch_options;
+}
+
+// --max-restarts: the ranks (one for --strategy local) run under the launcher, which restarts the group after a
+// failure; every attempt resumes from the newest checkpoint.
+int supervise_restarts(const TrainConfig& c, std::vector<std::string> argv) {
+  const int n = c.strategy == Strategy::Local ? 1 : std::max(c.world_size, 1);
+  validate(c, n);
+  if (!c.resume) argv.push_back("--resume");
+  auto options = rank_launch_options(c, argv, n);
+  options.max_restarts = c.max_restarts;
+  return launch(options);
 }
 
 }  // namespace
 
 int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
   // (argv: this program's arguments, used to start the ranks)
+  if (c.max_restarts > 0 && !under_launcher()) return supervise_restarts(c, argv);
   if (c.strategy == Strategy::Local) {
     validate(c, std::max(c.world_size, 1));
     auto records = train_rank(c, nullptr);
@@ -407,14 +420,7 @@ int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
     print_summary(c, records, 1);
     return 0;
   }
-  LaunchOptions launch_options;
-  launch_options.nproc = n;
-  launch_options.backend = backend_of(c.backend);
-  launch_options.prefix_output = false;  // only rank 0 prints; errors carry their rank in the message
-  launch_options.command = {self_executable()};
-  launch_options.command.insert(launch_options.command.end(), argv.begin(), argv.end());
-  if (isatty(STDERR_FILENO)) launch_options.extra_env.emplace_back("GRADSYNC_PROGRESS", "1");
-  return launch(launch_options);
+  return launch(rank_launch_options(c, argv, n));
 }
 
 }  // namespace gradsync::cli

@@ -47,6 +47,12 @@ struct TrainConfig {
   std::string save_state;
   std::string save_optim;         // the optimizer's state, whole, keyed by parameter names (rank 0 writes)
   std::string log;
+  // Checkpoints (train/checkpointing.h): DIR, every S steps (0: at every epoch's end), the newest K kept (0: all).
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  int keep_checkpoints = 0;
+  bool resume = false;            // continue from the newest complete checkpoint in checkpoint_dir, if any
+  int max_restarts = 0;           // restart the whole group after a failure, resuming (train/checkpointing.h)
   double timeout_seconds = 1800;  // process-group timeout (PyTorch's default: 30 min)
   bool quiet = false;
   bool eval = false;              // --eval: test-split accuracy after every epoch (train/evaluate.h)

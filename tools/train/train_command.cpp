@@ -58,6 +58,32 @@ void add_engine_options(CLI::App* cmd, TrainConfig& c) {
                 "(always on for sharded strategies)");
 }
 
+// The files a run reads and writes besides its data and checkpoints.
+void add_file_options(CLI::App* cmd, TrainConfig& c) {
+  cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(model.state_dict(), FILE) or a gradsync --save-state file");
+  cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
+  cmd->add_option("--save-optim", c.save_optim, "write the final optimizer state, whole, keyed by parameter names "
+                  "(PyTorch's FSDP.full_optim_state_dict layout; Python torch.load reads it)");
+  cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
+}
+
+// Checkpoints, resuming and restarts (train/checkpointing.h, docs/semantics.md Note [Resuming]).
+void add_checkpoint_options(CLI::App* cmd, TrainConfig& c) {
+  cmd->add_option("--checkpoint-dir", c.checkpoint_dir,
+                  "save checkpoints in DIR/step-<N>/ (model, optimizer state, data position, RNG states; manifest "
+                  "last): every --checkpoint-every steps and after the last step");
+  cmd->add_option("--checkpoint-every", c.checkpoint_every, "steps between checkpoints (default: every epoch's end)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
+  cmd->add_option("--keep", c.keep_checkpoints, "keep only the newest K checkpoints (default 0: all)")
+      ->check(CLI::Range(0, 1 << 20));
+  cmd->add_flag("--resume", c.resume,
+                "continue from the newest complete checkpoint in --checkpoint-dir (bit for bit), or start at "
+                "step 0 when it holds none");
+  cmd->add_option("--max-restarts", c.max_restarts,
+                  "after a rank fails, restart every rank from the newest checkpoint, at most R times (default 0)")
+      ->check(CLI::Range(0, kMaxRestarts));
+}
+
 }  // namespace
 
 void add_train_command(CLI::App& root, int& exit_code) {
@@ -89,10 +115,13 @@ void add_train_command(CLI::App& root, int& exit_code) {
                   "mean (PyTorch DDP: 1/N of the sum), sum, or global-mean (1/T of the sum of per-sample gradients, "
                   "T = samples in the step over all ranks and micro-batches)")
       ->check(CLI::IsMember({"mean", "sum", "global-mean"}));
-  auto* steps = cmd->add_option("--steps", c.steps, "optimizer steps in total (crossing epochs)");
-  auto* epochs = cmd->add_option("--epochs", c.epochs, "whole epochs (default 1)");
+  auto* steps = cmd->add_option("--steps", c.steps, "optimizer steps in total (crossing epochs)")
+                    ->check(CLI::Range(int64_t{0}, int64_t{1} << 50));
+  auto* epochs = cmd->add_option("--epochs", c.epochs, "whole epochs (default 1)")
+                     ->check(CLI::Range(int64_t{0}, int64_t{1} << 40));
   steps->excludes(epochs);
-  cmd->add_option("--seed", c.seed, "seed of the model, the sampler and synthetic data (default 0)");
+  cmd->add_option("--seed", c.seed, "seed of the model, the sampler and synthetic data (default 0)")
+      ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 63));
   cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "shuffle every epoch (default) or not");
   cmd->add_flag("--no-pad", c.no_pad, "every sample exactly once per epoch (ranks may get uneven counts, even 0)");
   cmd->add_option("--replay-ranks", c.replay_ranks,
@@ -101,18 +130,18 @@ void add_train_command(CLI::App& root, int& exit_code) {
                   "every S steps: recompute the step's gradient in one process on rank 0 and compare; ddp, "
                   "fsdp-no-shard: check that all ranks hold identical parameters (off by default; costs one extra "
                   "forward/backward of the global batch on rank 0)");
-  cmd->add_option("--inject-fault", c.inject_fault, "tests only: grad@STEP or diverge@STEP")->group("");
-  cmd->add_option("--init-state", c.init_state, "initial state dict, from torch.save(model.state_dict(), FILE) or a gradsync --save-state file");
-  cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
-  cmd->add_option("--save-optim", c.save_optim, "write the final optimizer state, whole, keyed by parameter names "
-                  "(PyTorch's FSDP.full_optim_state_dict layout; Python torch.load reads it)");
-  cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
+  cmd->add_option("--inject-fault", c.inject_fault,
+                  "tests only: grad@STEP, diverge@STEP, crash@STEP (the last rank SIGKILLs itself before STEP in a "
+                  "first attempt) or crash-always@STEP")
+      ->group("");
+  add_file_options(cmd, c);
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)")
       ->check(CLI::Range(0.001, 86400.0 * 365));
   cmd->add_flag("--quiet", c.quiet, "no summary line");
   cmd->add_flag("--eval", c.eval, "after every epoch: accuracy on the test split (fashion-mnist:test)");
   cmd->add_option("--eval-data", c.eval_data, "the split --eval uses (a data spec; implies --eval)");
   add_engine_options(cmd, c);
+  add_checkpoint_options(cmd, c);
   cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });
 }
 

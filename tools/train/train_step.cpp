@@ -2,6 +2,9 @@
 // train_step.h).
 #include "train/train_step.h"
 
+#include <csignal>
+#include <cstdlib>
+
 #include <sstream>
 
 #include <fmt/format.h>
@@ -87,6 +90,15 @@ int fault_step(const std::string& spec, const std::string& kind) {
 }
 
 }  // namespace
+
+void inject_crash(const StepContext& ctx, int64_t step) {
+  const int always = fault_step(ctx.config.inject_fault, "crash-always");
+  const int first_attempt = fault_step(ctx.config.inject_fault, "crash");
+  const char* attempt = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const bool first = attempt == nullptr || std::string(attempt) == "0";
+  const bool last_rank = !ctx.world || ctx.world->rank() == ctx.world->size() - 1;
+  if (last_rank && (always == step || (first && first_attempt == step))) ::raise(SIGKILL);  // tests only
+}
 
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices) {
   return loss_of(ctx.config, forward(ctx, indices), ctx.data.targets.index_select(0, indices));

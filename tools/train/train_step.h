@@ -36,6 +36,10 @@ using StepFn = std::function<void(const StepContext& ctx, const BatchSchedule& s
 // replayed rank's micro-batches.
 StepFn choose_step(const TrainConfig& config, int rank);
 
+// --inject-fault crash@STEP (a first attempt only: TORCHELASTIC_RESTART_COUNT unset or 0) or crash-always@STEP:
+// the last rank SIGKILLs itself before the step. Tests only.
+void inject_crash(const StepContext& ctx, int64_t step);
+
 // --verify-every: rank 0 recomputes the step's gradient in one process from every rank's micro-batches (gathered:
 // one allgather of their indices) and throws DistributedError if the synchronised gradient differs.
 void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& micro, int64_t step);

@@ -1,0 +1,59 @@
+// defines: StoreState, c10d's TCPStore protocol as libtorch 1.13 clients speak it -- requests parsed with limits
+// checked as each length arrives, the key-value map, replies, and the wake-ups of WAIT and WATCH_KEY -- apart from
+// any socket: StoreServer (store_server.h) feeds it the bytes each connection sent.
+//
+// A request is one query byte (SET 0, COMPARE_SET 1, GET 2, ADD 3, CHECK 4, WAIT 5, GETNUMKEYS 6, WATCH_KEY 7,
+// DELETE_KEY 8), then its arguments: strings and byte vectors as a uint64 length and the bytes, counts as uint64,
+// ADD's delta as int64 (host byte order, as c10d writes them).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace gradsync {
+
+enum class Parse { Incomplete, Done, Malformed, WrongToken };
+
+struct StoreLimits {
+  size_t max_key_bytes = 4096;
+  size_t max_value_bytes = size_t{64} << 20;
+  size_t max_keys = 4096;
+  std::string key_prefix;  // "/<token>/", or "" for any key
+};
+
+class StoreState {
+ public:
+  using Send = std::function<void(uint64_t connection, const std::string& bytes)>;
+  StoreState(StoreLimits limits, Send send) : limits_(std::move(limits)), send_(std::move(send)) {}
+
+  // Handles every complete request at the front of `in`, erasing what it consumed. Returns Done when nothing is
+  // left, Incomplete when a partial request remains, Malformed or WrongToken when the connection must be dropped.
+  Parse feed(uint64_t connection, std::vector<uint8_t>& in);
+  // Forgets a closed connection's waits and watches.
+  void disconnect(uint64_t connection);
+
+ private:
+  Parse handle_one(uint64_t connection, const std::vector<uint8_t>& in, size_t& pos);
+  void compare_set(uint64_t connection, const std::string& key, const std::vector<uint8_t>& expected,
+                   const std::vector<uint8_t>& desired);
+  bool add(uint64_t connection, const std::string& key, int64_t delta);  // false: the key holds no number
+  void check_or_wait(uint64_t connection, bool wait, const std::vector<std::string>& keys);
+  void remove(uint64_t connection, const std::string& key);
+  void set(const std::string& key, std::vector<uint8_t> value);
+  void wake(const std::string& key);
+  void forget_waits(uint64_t connection);
+  void notify(const std::string& key, uint8_t kind, const std::vector<uint8_t>& old_value,
+              const std::vector<uint8_t>& new_value);
+
+  StoreLimits limits_;
+  Send send_;
+  std::map<std::string, std::vector<uint8_t>> data_;
+  std::map<std::string, std::vector<uint64_t>> waiting_;  // key -> connections waiting for it
+  std::map<uint64_t, size_t> awaited_;                    // connection -> keys it still waits for
+  std::map<std::string, std::set<uint64_t>> watching_;    // key -> connections watching it
+};
+
+}  // namespace gradsync
