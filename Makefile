@@ -20,7 +20,7 @@ build: configure
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j 2
 
-# The file and fault tests under AddressSanitizer and UBSan, in a build of their own (build-sanitize/; about 20
+# The file and fault tests under AddressSanitizer and UBSan, in a build of their own (build-sanitize/; about 30
 # minutes on 2 cores: not part of `make test`). libtorch itself is not instrumented; its container annotations are
 # off so that only gradsync's own accesses are checked.
 SANITIZE_TESTS ?= StateDict|TorchFile|Dataset|Checkpoint|Resume|Faults|StoreServer
