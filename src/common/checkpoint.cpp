@@ -21,11 +21,6 @@
 namespace gradsync {
 namespace {
 
-constexpr const char* kModel = "model.pt";
-constexpr const char* kOptim = "optim.pt";
-constexpr const char* kRng = "rng.pt";
-constexpr const char* kLayout = "layout.pt";
-
 int rank_of(const Collectives* comm) { return comm ? comm->rank() : 0; }
 int size_of(const Collectives* comm) { return comm ? comm->size() : 1; }
 
@@ -203,10 +198,10 @@ CheckpointInfo Checkpoints::save(int64_t step, Engine& engine, const torch::opti
   CheckpointInfo info{step, dir_ + "/" + checkpoint_dir_name(step), size_of(comm_), engine.name(), meta};
   together(comm_, fmt::format("saving checkpoint {}", info.path), [&] {
     if (rank_of(comm_) != 0) return;
-    write_checkpoint(info, {{kModel, encode_torch_file(dict_of(model))},
-                            {kOptim, encode_torch_file(optim)},
-                            {kRng, encode_torch_file(dict_of(generators))},
-                            {kLayout, encode_torch_file(dict_of(layout))}});
+    write_checkpoint(info, {{kModelFile, encode_torch_file(dict_of(model))},
+                            {kOptimFile, encode_torch_file(optim)},
+                            {kRngFile, encode_torch_file(dict_of(generators))},
+                            {kLayoutFile, encode_torch_file(dict_of(layout))}});
     // The newest `keep` up to this one stay; later steps (a caller saving an earlier step) are not counted.
     auto complete = manifested_checkpoints(dir_);
     complete.erase(std::remove_if(complete.begin(), complete.end(), [&](const auto& c) { return c.first > step; }),
@@ -230,12 +225,15 @@ void Checkpoints::load(const CheckpointInfo& checkpoint, Engine& engine, torch::
   together(comm_, fmt::format("loading checkpoint {}", checkpoint.path), [&] {
     const auto manifest = read_manifest(checkpoint.path + "/" + kManifestName);
     if (rank_of(comm_) == 0) {  // Engine::load_state_dict takes rank 0's
-      model = to_state_dict(read_checked(checkpoint.path, manifest, kModel), checkpoint.path + "/" + kModel);
+      model = to_state_dict(read_checked(checkpoint.path, manifest, kModelFile),
+                            checkpoint.path + "/" + kModelFile);
     }
-    optim = read_checked(checkpoint.path, manifest, kOptim);
-    generators = to_state_dict(read_checked(checkpoint.path, manifest, kRng), checkpoint.path + "/" + kRng);
+    optim = read_checked(checkpoint.path, manifest, kOptimFile);
+    generators = to_state_dict(read_checked(checkpoint.path, manifest, kRngFile),
+                               checkpoint.path + "/" + kRngFile);
     if (checkpoint.engine == engine.name()) {  // another engine has another layout: its own is as good
-      layout = to_state_dict(read_checked(checkpoint.path, manifest, kLayout), checkpoint.path + "/" + kLayout);
+      layout = to_state_dict(read_checked(checkpoint.path, manifest, kLayoutFile),
+                             checkpoint.path + "/" + kLayoutFile);
     }
   });
   engine.load_state_dict(model);  // collective; strict: nothing is modified unless every key matches

@@ -44,7 +44,7 @@ int64_t step_of(const std::string& name) {
 
 // The files a checkpoint directory holds, and their temp files while they are written.
 bool is_checkpoint_file(const std::string& name) {
-  for (const char* known : {"model.pt", "optim.pt", "rng.pt", "layout.pt", kManifestName}) {
+  for (const char* known : {kModelFile, kOptimFile, kRngFile, kLayoutFile, kManifestName}) {
     if (name == known || name.rfind(std::string(known) + ".tmp.", 0) == 0) return true;
   }
   return false;

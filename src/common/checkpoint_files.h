@@ -23,6 +23,11 @@ struct Manifest {
 };
 
 inline constexpr const char* kManifestName = "manifest.json";
+// The files a checkpoint holds besides its manifest (include/gradsync/checkpoint.h says what each one is).
+inline constexpr const char* kModelFile = "model.pt";
+inline constexpr const char* kOptimFile = "optim.pt";
+inline constexpr const char* kRngFile = "rng.pt";
+inline constexpr const char* kLayoutFile = "layout.pt";
 
 // "step-000000000042": fixed width, so names sort as steps do.
 std::string checkpoint_dir_name(int64_t step);
