@@ -362,8 +362,7 @@ int launch(const LaunchOptions& options) {
   int first_code = 0;
   for (int attempt = 0;; ++attempt) {
     LaunchOptions attempt_options = options;
-    attempt_options.extra_env.emplace_back("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt));
-    attempt_options.extra_env.emplace_back("TORCHELASTIC_MAX_RESTARTS", std::to_string(options.max_restarts));
+    attempt_options.restart_count = attempt;
     Launcher launcher(attempt_options);
     const int code = launcher.run();
     // A signal to the launcher means stop; a command that cannot be executed will not run the next time either.

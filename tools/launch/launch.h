@@ -26,6 +26,7 @@ struct LaunchOptions {
   int master_port = 0;                     // 0: pick a free port
   std::chrono::milliseconds grace{5000};   // SIGTERM -> SIGKILL grace period
   int max_restarts = 0;                    // a failed group is started again this many times (torchrun's)
+  int restart_count = 0;                   // which start this is (launch() counts): TORCHELASTIC_RESTART_COUNT
   bool prefix_output = true;               // "[rank<r>]: " before every output line
   std::vector<std::string> command;        // argv; argv[0] looked up in PATH
   Backend backend = Backend::Gloo;         // Mpi: one mpirun starts the ranks (tools/launch/mpirun.h)

@@ -23,6 +23,7 @@ std::vector<std::string> mpirun_environment(const LaunchOptions& o) {
   for (auto it = env.begin(); it != env.end();) it = is_torchrun_variable(it->first) ? env.erase(it) : std::next(it);
   env["OMP_NUM_THREADS"] = omp_threads(env, o.nproc);
   env["GRADSYNC_BACKEND"] = "mpi";
+  set_restart_variables(env, o);  // which attempt this is: a rank resumes (train --resume) the same way under MPI
   for (const auto& [name, value] : o.extra_env) env[name] = value;
   return env_entries(env);
 }

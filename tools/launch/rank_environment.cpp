@@ -33,6 +33,11 @@ bool is_torchrun_variable(const std::string& name) {
   return kNames.count(name) > 0 || name.rfind("TORCHELASTIC_", 0) == 0;
 }
 
+void set_restart_variables(EnvMap& env, const LaunchOptions& o) {
+  env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(o.restart_count);
+  env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o.max_restarts);
+}
+
 EnvMap common_environment(const LaunchOptions& o, int port, const std::string& store_file) {
   EnvMap env = current_environment();
   // Inherited from an outer torchrun this would make Python ranks look for an agent store that does not
@@ -46,8 +51,7 @@ EnvMap common_environment(const LaunchOptions& o, int port, const std::string& s
   env["ROLE_NAME"] = "default";
   env["MASTER_ADDR"] = o.master_addr;
   env["MASTER_PORT"] = std::to_string(port);
-  env["TORCHELASTIC_RESTART_COUNT"] = "0";
-  env["TORCHELASTIC_MAX_RESTARTS"] = "0";
+  set_restart_variables(env, o);
   env["TORCHELASTIC_RUN_ID"] = random_run_id();
   // One node: a FileStore next to the ranks. Several: rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, which the
   // other launchers' ranks reach.

@@ -16,10 +16,14 @@ bool is_torchrun_variable(const std::string& name);
 // torchrun's rule: OMP_NUM_THREADS as given in `env`, else the cores shared between `nproc` ranks.
 std::string omp_threads(const EnvMap& env, int nproc);
 
+// TORCHELASTIC_RESTART_COUNT (options.restart_count: which start of the group this is) and
+// TORCHELASTIC_MAX_RESTARTS (options.max_restarts), as torchrun's elastic agent sets them.
+void set_restart_variables(EnvMap& env, const LaunchOptions& options);
+
 // What every rank of this launcher shares: this process's environment with WORLD_SIZE (nnodes * nproc),
 // LOCAL_WORLD_SIZE, ROLE_WORLD_SIZE,
 // GROUP_RANK, GROUP_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT (= `port`), TORCHELASTIC_* (one random
-// run id), OMP_NUM_THREADS (kept if set, else the cores shared between the ranks) and
+// run id, set_restart_variables()), OMP_NUM_THREADS (kept if set, else the cores shared between the ranks) and
 // GRADSYNC_STORE_FILE (= `store_file`, one node only) set.
 EnvMap common_environment(const LaunchOptions& options, int port, const std::string& store_file);
 
