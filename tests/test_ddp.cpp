@@ -342,27 +342,64 @@ TEST(Ddp, EarlyBucketAllreduceStartsBeforeBackwardEnds) {
   }
 }
 
-// Optimizer::zero_grad() throws on gradients that are views of a bucket; DDP's zero_grad() does not, and a
-// second step after zeroing gives the same gradient as the first.
-GRADSYNC_WORKER(ddp_bucket_view_zero_grad) {
+// DDP's zero_grad() releases the gradients (where Optimizer::zero_grad() throws on bucket views), and a second
+// step after it gives the same gradient as the first, which is then the bucket itself. args: bucket_view (0|1)
+GRADSYNC_WORKER(ddp_zero_grad_releases) {
   auto world = join();
   auto model = make_mlp(0);
   DdpOptions options;
-  options.gradient_as_bucket_view(true);
+  options.gradient_as_bucket_view(args.at(0) == "1");
   DistributedDataParallel ddp(model, world, options);
+  auto weight = model[0]->as<nn::Linear>()->weight;
   auto x = torch::randn({4, 6});
   ddp.forward(x).sum().backward();
-  auto first = model[0]->as<nn::Linear>()->weight.grad().clone();
-  ddp.zero_grad();
-  WORKER_CHECK(model[0]->as<nn::Linear>()->weight.grad().abs().sum().item<double>() == 0, "not zeroed");
-  ddp.forward(x).sum().backward();
-  WORKER_CHECK(torch::equal(first, model[0]->as<nn::Linear>()->weight.grad()), "second gradient differs");
+  auto first = weight.grad().clone();
+  const void* storage = nullptr;  // the bucket's, from the second step on (the buckets are rebuilt before it)
+  for (int step = 1; step < 3; ++step) {
+    ddp.zero_grad();
+    WORKER_CHECK(!weight.grad().defined(), "zero_grad() left .grad defined");
+    ddp.forward(x).sum().backward();
+    WORKER_CHECK(torch::equal(first, weight.grad()), "gradient of step {} differs", step);
+    WORKER_CHECK(!options.gradient_as_bucket_view() || step == 1 || weight.grad().data_ptr() == storage,
+                 "with bucket views .grad must be the bucket again after a backward");
+    storage = weight.grad().data_ptr();
+  }
   return 0;
 }
 
-TEST(Ddp, GradientsAsBucketViewsCanBeZeroed) {
+// Runs a worker that takes bucket_view (0|1) on 2 ranks, without and with bucket views.
+static void expect_ok_without_and_with_bucket_views(const char* worker) {
   t::CommandOptions opts;
   opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(2, t::worker_argv("ddp_bucket_view_zero_grad"), opts);
-  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+  for (const char* view : {"0", "1"}) {
+    auto results = t::run_ranks(2, t::worker_argv(worker, {view}), opts);
+    for (const auto& r : results) ASSERT_TRUE(r.ok()) << "bucket view " << view << ": " << r.describe();
+  }
+}
+
+TEST(Ddp, ZeroGradReleasesGradientsAndTheNextBackwardRefillsThem) {
+  expect_ok_without_and_with_bucket_views("ddp_zero_grad_releases");
+}
+
+// A parameter used in one step and unused on every rank in the next gets zeros after that backward, as zeroing in
+// place would leave (PyTorch 1.13's zero_grad()), though zero_grad() released it: an optimizer with momentum or
+// weight decay still steps it, as PyTorch's does. args: bucket_view (0|1)
+GRADSYNC_WORKER(ddp_released_then_unused) {
+  auto world = join();
+  DdpOptions options;
+  options.find_unused_parameters(true).gradient_as_bucket_view(args.at(0) == "1");
+  TwoHeads model;
+  DistributedDataParallel ddp(model, world, options);
+  auto x = torch::ones({2, 4}) * (world->rank() + 1);
+  ddp.forward_with([&] { return model->forward(x, true); }).sum().backward();
+  ddp.zero_grad();
+  ddp.forward_with([&] { return model->forward(x, false); }).sum().backward();
+  auto grad = model->spare->weight.grad();
+  WORKER_CHECK(grad.defined() && grad.abs().sum().item<double>() == 0, "spare.weight must hold zeros, has {}",
+               grad.defined() ? grad.abs().sum().item<double>() : -1.0);
+  return 0;
+}
+
+TEST(Ddp, AReleasedGradientOfAParameterUnusedEverywhereComesBackAsZeros) {
+  expect_ok_without_and_with_bucket_views("ddp_released_then_unused");
 }

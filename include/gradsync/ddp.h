@@ -59,7 +59,8 @@ class DistributedDataParallel : public Engine {
   bool require_sync() const override;
   void set_require_sync(bool sync) override;
   std::vector<torch::Tensor> parameters() const override;  // the parameters that require grad
-  // Zeroes gradients in place (works when .grad is a view of a bucket, where Optimizer::zero_grad() throws).
+  // Releases the gradients (.grad undefined until the next backward; works when .grad is a view of a bucket, where
+  // Optimizer::zero_grad() throws). After that backward every .grad holds what zeroing in place would give.
   void zero_grad() override;
   double clip_grad_norm(double max_norm, double norm_type = 2.0) override;  // every rank holds the whole gradient
   void track_optimizer(const torch::optim::Optimizer* optimizer) override;

@@ -118,7 +118,7 @@ class Engine {
   // The same under the original parameters' state-dict names, for optimizer parameter groups: the module's
   // trainable parameters (DDP, local), or this rank's part of each of them (FSDP, ZeRO-1: views of the shards).
   virtual torch::OrderedDict<std::string, torch::Tensor> named_parameters();
-  // Gradients to zero (DDP, local: in place) or released (FSDP, ZeRO-1: shard gradients become undefined).
+  // Gradients zeroed in place (local) or released (DDP, FSDP, ZeRO-1: .grad undefined until the next backward).
   virtual void zero_grad() = 0;
   // After the synchronising backward: scales the gradient so the norm of the whole (unsharded, reduced) gradient
   // is <= max_norm, as torch::nn::utils::clip_grad_norm_; returns that norm, the same on every rank.

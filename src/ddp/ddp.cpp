@@ -32,14 +32,8 @@ bool DistributedDataParallel::require_sync() const { return reducer_->require_ba
 void DistributedDataParallel::set_require_sync(bool sync) { reducer_->require_backward_sync = sync; }
 std::vector<torch::Tensor> DistributedDataParallel::parameters() const { return reducer_->params; }
 
-// In place: the gradients stay allocated (and may be bucket views), so memory() measures them whenever it is asked;
-// nothing is sampled on the step's hot path.
-void DistributedDataParallel::zero_grad() {
-  torch::NoGradGuard no_grad;
-  for (auto& param : reducer_->params) {
-    if (param.grad().defined()) param.mutable_grad().zero_();
-  }
-}
+// Releases the gradients, as FSDP and ZeRO-1 do (and PyTorch 2's set_to_none=True); see Reducer::release_grads().
+void DistributedDataParallel::zero_grad() { reducer_->release_grads(); }
 
 double DistributedDataParallel::clip_grad_norm(double max_norm, double norm_type) {
   return gradsync::clip_grad_norm(reducer_->params, max_norm, norm_type, /*spread_over=*/nullptr);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -78,6 +79,9 @@ void Reducer::copy_into_bucket(size_t index) {
   } else if (!aliased) {
     view.copy_(grad);
   }
+  // As PyTorch: .grad becomes the bucket here, so backward's fresh gradient is freed now, not held beside the
+  // buckets until backward ends.
+  if (options.gradient_as_bucket_view() && !aliased) params[index].mutable_grad() = view;
 }
 
 void Reducer::launch_ready_buckets() {
@@ -125,13 +129,29 @@ std::vector<bool> Reducer::globally_used(const std::vector<size_t>& unused) {
   return used;
 }
 
+// Released gradients (zero_grad()) cost no pass at all: AccumulateGrad takes backward's fresh gradient as .grad
+// instead of adding it to zeros, the scaled copy into the bucket is the one pass over it, and with
+// gradient_as_bucket_view .grad then becomes the bucket (measured in docs/performance.md). A parameter released and
+// then unused on every rank gets its bucket's zeros back: after backward every .grad is what zeroing in place gives.
+void Reducer::release_grads() {
+  std::lock_guard<std::mutex> lock(mutex);
+  sample_memory();  // the step's gradients count in memory()'s peak, as they did before being released
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto& grad = params[i].mutable_grad();
+    if (!grad.defined()) continue;
+    grad.reset();
+    slots[i].released = true;
+  }
+}
+
 void Reducer::write_back(const std::vector<bool>& used_anywhere) {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params.size(); ++i) {
-    if (!used_anywhere[i]) continue;
     auto& param = params[i];
-    const auto& view = slots[i].view;
     auto& grad = param.mutable_grad();
+    const bool restore = std::exchange(slots[i].released, false) && !grad.defined();
+    if (!used_anywhere[i] && !restore) continue;  // PyTorch leaves it untouched
+    const auto& view = slots[i].view;  // zeros for a parameter unused here (zero_unused)
     if (options.gradient_as_bucket_view()) {
       if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
     } else if (grad.defined()) {

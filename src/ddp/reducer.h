@@ -27,6 +27,7 @@ class Reducer {
     size_t bucket = 0;
     torch::Tensor view;  // this parameter's region of its bucket, shaped like the parameter
     bool ready = false;  // its gradient has been copied into the bucket in this backward
+    bool released = false;  // zero_grad() dropped a defined .grad since the last synchronised backward
   };
   struct Bucket {
     torch::Tensor flat;
@@ -80,6 +81,7 @@ class Reducer {
   std::vector<std::string> bucket_names(size_t bucket) const;  // its parameters' names, in bucket order
   void sample_memory() const;
   void rebuild_buckets(const std::vector<size_t>& order);  // the layout of that gradient order, from now on
+  void release_grads();  // DistributedDataParallel::zero_grad()
 
  private:
   void queue_finalize(const std::weak_ptr<Reducer>& self);

@@ -112,7 +112,10 @@ std::unique_ptr<Engine> make_engine(const TrainConfig& c, const Model& model,
   switch (c.strategy) {
     case Strategy::Local: return std::make_unique<LocalEngine>(model);
     case Strategy::Ddp: {
-      auto ddp = std::make_unique<DistributedDataParallel>(model, world, DdpOptions().reduction(reduction));
+      // Bucket views: train zeroes through the engine (never Optimizer::zero_grad()), so .grad can be the bucket,
+      // which saves a pass over the gradient and Psi of memory; the values are the same bit for bit.
+      auto options = DdpOptions().reduction(reduction).gradient_as_bucket_view(true);
+      auto ddp = std::make_unique<DistributedDataParallel>(model, world, options);
       if (c.comm_hook != "none") ddp->register_comm_hook(comm_hook_of(c.comm_hook));
       return ddp;
     }
