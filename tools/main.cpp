@@ -1,7 +1,10 @@
 // The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/, bench/).
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <string>
+
+#include <malloc.h>
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -12,7 +15,24 @@
 #include "launch/launch.h"
 #include "train/train.h"
 
+namespace {
+
+// Sharded steps free and re-allocate megabytes every step (FSDP's gathered parameters, the transports' receive
+// buffers), and glibc hands such blocks back to the kernel at each free (mmap above a threshold that it adapts,
+// trimming of the heap), so every step page-faults them in again: 8-20 thousand faults per rank per step here. Kept
+// for reuse: zero1 on Gloo 0.63 x its step time, fsdp-full 0.94 x (docs/performance.md). Settings the user makes
+// through GLIBC_TUNABLES win.
+void keep_freed_memory_for_reuse() {
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos) return;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest: blocks up to 32 MiB come from the heap
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
+  keep_freed_memory_for_reuse();
   CLI::App app{"gradsync: data-parallel training for libtorch with declared gradient semantics"};
   app.set_version_flag("--version", std::string("gradsync ") + GRADSYNC_VERSION);
   app.require_subcommand(1);

@@ -46,6 +46,11 @@ void ensure_mpi_initialized() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (initialized) return;
+  // Open MPI's shared-memory transport moves large messages between ranks of a host with process_vm_readv, which
+  // pins the pages at every call; copying through its shared segment instead measured 1.5-2x faster here for
+  // 1-25 MB allreduces (DDP's buckets: 16.8 MB in 2.0 against 3.1-4.4 ms), though slower beyond the cache (64 MB).
+  // A setting of the user's (the environment, or mpirun --mca) wins.
+  setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", /*overwrite=*/0);
   int provided = 0;
   if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
     throw DistributedError("MPI_Init_thread failed (is this process started by mpirun?)");
