@@ -151,26 +151,46 @@ void FlatParam::free() {
   gathered_ = false;
 }
 
+// Uninitialised, and filled by copies: zeroing the buffer first and letting AccumulateGrad add into the zeros cost
+// two more passes over every unsharded gradient per step (docs/performance.md).
 void FlatParam::ensure_grad_buffer() {
   if (grad_buffer_.defined()) return;
-  torch::NoGradGuard no_grad;
-  grad_buffer_ = torch::zeros({padded_numel_}, torch::TensorOptions().dtype(compute_dtype_));
+  grad_buffer_ = torch::empty({padded_numel_}, torch::TensorOptions().dtype(compute_dtype_));
+  taken_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& e = entries_[i];
-    auto view = grad_buffer_.narrow(0, e.offset, e.numel).view(e.shape);
-    auto& grad = params_[i].mutable_grad();
-    if (grad.defined()) view.copy_(grad);  // a gradient autograd made before the buffer existed
-    grad = view;  // AccumulateGrad adds into it in place from now on
+    if (params_[i].grad().defined()) take_grad(i);  // a gradient autograd made before the buffer existed
   }
+}
+
+void FlatParam::take_grad(size_t i) {
+  ensure_grad_buffer();
+  if (taken_[i]) return;  // .grad is the region: AccumulateGrad added into it in place
+  torch::NoGradGuard no_grad;
+  const auto& e = entries_[i];
+  auto view = grad_buffer_.narrow(0, e.offset, e.numel).view(e.shape);
+  auto& grad = params_[i].mutable_grad();
+  if (grad.defined()) {
+    view.copy_(grad);
+  } else {
+    view.zero_();  // no gradient on this rank: it contributes zeros
+  }
+  grad = view;
+  taken_[i] = 1;
+}
+
+void FlatParam::zero_untaken() {
+  for (size_t i = 0; i < params_.size(); ++i) take_grad(i);
+  if (padded_numel_ > numel_) grad_buffer_.narrow(0, numel_, padded_numel_ - numel_).zero_();
 }
 
 void FlatParam::release_grad_buffer() {
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   grad_buffer_ = torch::Tensor();
+  taken_.clear();
 }
 
 void FlatParam::start_reduce(Collectives& comm, double factor, CommStats& stats) {
-  ensure_grad_buffer();  // a unit that received no gradient on this rank contributes zeros
+  zero_untaken();  // a unit, or a parameter, that received no gradient on this rank contributes zeros
   torch::NoGradGuard no_grad;
   const auto reduce_dtype = precision_.reduce(master_dtype_);
   const auto wire_dtype = gloo_reduce_dtype(reduce_dtype);

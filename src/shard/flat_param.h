@@ -77,9 +77,13 @@ class FlatParam {
   void free();                                       // no-op when aliasing the master or already free
 
   bool has_grad_buffer() const { return grad_buffer_.defined(); }
-  // Allocates the zeroed unsharded gradient buffer and points every parameter's .grad at its region (a gradient
-  // autograd created elsewhere is copied in first). No-op when allocated.
+  // Allocates the unsharded gradient buffer, uninitialised: a parameter's region is written when its gradient is
+  // taken (take_grad), and start_reduce() zeroes the regions no gradient reached. A gradient autograd created
+  // before the buffer existed is taken at once. No-op when allocated.
   void ensure_grad_buffer();
+  // From parameter i's gradient hook: its fresh gradient is copied into its region and .grad becomes that region,
+  // so later backwards (no_sync) add into it in place. No-op when .grad already is the region.
+  void take_grad(size_t i);
   // Reduces the unsharded gradient over ranks in the reduce dtype (see Note [Mixed precision on Gloo]): multiplied
   // by `factor` first (1/N for Mean, 1 for Sum, 1/T for GlobalMean: Note [Where the division happens]), then
   // SUMmed; adds this rank's part to shard().grad() (sets it when undefined), then releases the buffer:
@@ -108,6 +112,7 @@ class FlatParam {
   void bind_params_to_full();
   void make_pieces();
   void bind_piece_grads();
+  void zero_untaken();  // the regions no gradient was taken into, and the padding
   void fill_full(Collectives& comm, CommStats& stats);
 
   std::string name_;
@@ -122,6 +127,7 @@ class FlatParam {
   std::vector<torch::Tensor> pieces_;  // views of shard_, one per entry
   torch::Tensor full_;         // full buffer in the compute dtype; storage freed when not gathered
   torch::Tensor grad_buffer_;  // unsharded gradient (compute dtype), undefined when released
+  std::vector<char> taken_;  // per parameter: its region of grad_buffer_ holds its gradient
   PendingWork gather_work_;    // the all-gather into full_ in flight, if any
   PendingWork reduce_work_;    // the reduction into reduced_ in flight, if any
   torch::Tensor reduced_;      // this rank's reduced part (wire dtype) until finish_reduce(); undefined otherwise

@@ -182,7 +182,8 @@ void ShardedUnits::pre_backward(size_t u) {
   prefetch_backward();
 }
 
-void ShardedUnits::grad_ready(size_t u) {
+void ShardedUnits::grad_ready(size_t u, size_t i) {
+  flats[u]->take_grad(i);
   start_backward();
   auto& p = progress[u];
   if (p.pending == 0 || p.post_backward_done) {
@@ -335,9 +336,10 @@ void ShardedUnits::build(const std::string& who) {
 // After flattening: set_data with a new dtype replaces a parameter's gradient accumulator.
 void ShardedUnits::install_hooks() {
   for (size_t u = 0; u < flats.size(); ++u) {
-    for (const auto& p : flats[u]->params()) {
-      accumulators.push_back(on_gradient_accumulated(p, [weak = self, u] {
-        if (auto units = weak.lock()) units->grad_ready(u);
+    const auto& params = flats[u]->params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      accumulators.push_back(on_gradient_accumulated(params[i], [weak = self, u, i] {
+        if (auto units = weak.lock()) units->grad_ready(u, i);
       }));
     }
   }

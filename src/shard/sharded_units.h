@@ -88,7 +88,7 @@ class ShardedUnits {
   // Units without a slot (wrap_policy.h), which only forward_with() + unit() can run.
   std::vector<std::string> units_without_slot() const;
   void pre_backward(size_t u);
-  void grad_ready(size_t u);
+  void grad_ready(size_t u, size_t i);  // parameter i of unit u has its gradient
   // A shadow micro-step: the last completed micro-step's events replayed, forward part and backward part, with
   // zero gradients (or what no_sync micro-steps accumulated).
   void join_forward();

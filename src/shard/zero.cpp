@@ -123,10 +123,14 @@ Zero1DataParallel::Zero1DataParallel(const ModuleRef& module, std::shared_ptr<Wo
     s.owned.push_back(std::make_unique<FlatParam>(plan, s.world->rank(), s.world->size(), /*sharded=*/true,
                                                   MixedPrecision{}));
     s.flats.push_back(s.owned.back().get());
-    s.flats.back()->ensure_grad_buffer();
-    for (const auto& p : s.flats.back()->params()) {
-      s.accumulators.push_back(on_gradient_accumulated(p, [weak] {
-        if (auto shard = weak.lock()) shard->on_gradient(weak);
+    FlatParam* flat = s.flats.back();
+    flat->ensure_grad_buffer();
+    for (size_t i = 0; i < flat->params().size(); ++i) {
+      s.accumulators.push_back(on_gradient_accumulated(flat->params()[i], [weak, flat, i] {
+        if (auto shard = weak.lock()) {
+          flat->take_grad(i);
+          shard->on_gradient(weak);
+        }
       }));
     }
   }
