@@ -53,6 +53,24 @@ TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
   }
 }
 
+// --wrap reaches train (a zero1 run in units of its Linear layers), and the JSON records it.
+TEST(Bench, WrapIsPassedToTrainAndRecorded) {
+  auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:16-32-4", "--per-rank-batch", "4", "--strategy", "zero1",
+                   "--wrap", "type:Linear", "--steps", "2", "--warmup", "1", "--repeats", "1", "--json"},
+                  within(120));
+  ASSERT_TRUE(r.ok()) << r.describe();
+  auto j = json_of(r);
+  EXPECT_EQ(j["config"]["wrap"], "type:Linear");
+  EXPECT_GT(j["gradsync"]["step_seconds"]["median"].get<double>(), 0.0);
+  // A well-formed spec naming no module of the model: only train, planning the units, can refuse it.
+  auto missing = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:16-32-4", "--per-rank-batch", "4", "--strategy",
+                         "zero1", "--wrap", "list:nosuch", "--steps", "2", "--warmup", "0", "--repeats", "1"},
+                        within(120));
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("the gradsync run failed"), std::string::npos) << missing.describe();
+  EXPECT_NE(missing.err.find("nosuch"), std::string::npos) << missing.describe();
+}
+
 TEST(Bench, EveryStrategyRunsAndAPlotIsWritten) {
   const std::string dir = t::make_temp_dir("gradsync-bench-test");
   for (const char* strategy : {"local", "fsdp-full", "zero1"}) {
@@ -109,4 +127,10 @@ TEST(Bench, BadFlagsAreNamedBeforeAnythingRuns) {
   auto backend = t::run({GRADSYNC_BIN, "bench", "--backend", "nccl"}, within(30));
   EXPECT_NE(backend.exit_code, 0);
   EXPECT_NE(backend.err.find("--backend"), std::string::npos) << backend.describe();
+  auto wrap = t::run({GRADSYNC_BIN, "bench", "--strategy", "fsdp-full", "--wrap", "every:Linear"}, within(30));
+  EXPECT_NE(wrap.exit_code, 0);
+  EXPECT_NE(wrap.err.find("--wrap"), std::string::npos) << wrap.describe();
+  EXPECT_EQ(wrap.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << wrap.describe();
+  auto ddp_wrap = t::run({GRADSYNC_BIN, "bench", "--strategy", "ddp", "--wrap", "children"}, within(30));
+  EXPECT_NE(ddp_wrap.err.find("--wrap applies to --strategy fsdp-full"), std::string::npos) << ddp_wrap.describe();
 }

@@ -23,6 +23,7 @@ struct BenchConfig {
   int64_t per_rank_batch = 64;
   int world_size = 2;
   std::string strategy = "ddp";
+  std::string wrap;            // fsdp-*, zero1: train's --wrap ("" = train's default units)
   std::string backend = "gloo";
   int threads = 1;             // OMP_NUM_THREADS / torch.set_num_threads per rank, on both sides
   int64_t steps = 20;          // measured steps per run

@@ -59,6 +59,7 @@ void add_bench_command(CLI::App& root, int& exit_code) {
       ->check(CLI::Range(1, kMaxNproc));
   cmd->add_option("--strategy", c->strategy, "local, ddp (default), fsdp-full, fsdp-grad-op, fsdp-no-shard, zero1")
       ->check(CLI::IsMember(kStrategies));
+  cmd->add_option("--wrap", c->wrap, "fsdp-*, zero1: units, as train's --wrap (default: train's)");
   add_backend_flag(cmd, c->backend);
   cmd->add_option("--threads", c->threads, "threads per rank on both sides (default 1)")->check(CLI::Range(1, 1024));
   cmd->add_option("--steps", c->steps, "measured steps per run (default 20)")->check(CLI::Range(1, 1000000));

@@ -10,6 +10,7 @@
 #include "bench/bench.h"
 #include "data/models.h"
 #include "gradsync/error.h"
+#include "gradsync/fsdp.h"
 #include "launch/spawn.h"
 #include "train/flag.h"
 
@@ -23,8 +24,16 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model spec only here.
-void validate(const BenchConfig& c) { parse_flag("--model", c.model, parse_model_spec); }
+// Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model and wrap specs only here.
+void validate(const BenchConfig& c) {
+  parse_flag("--model", c.model, parse_model_spec);
+  if (c.wrap.empty()) return;
+  if (c.strategy == "local" || c.strategy == "ddp") {
+    throw ConfigError(fmt::format("--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, "
+                                  "not {}", c.strategy));
+  }
+  parse_flag("--wrap", c.wrap, parse_wrap_policy);
+}
 
 int ranks_of(const BenchConfig& c) { return c.strategy == "local" ? 1 : c.world_size; }
 
@@ -53,6 +62,7 @@ void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& 
   if (c.strategy != "local") {
     argv.insert(argv.end(), {"--world-size", std::to_string(n), "--backend", c.backend});
   }
+  if (!c.wrap.empty()) argv.insert(argv.end(), {"--wrap", c.wrap});
   const std::string out = dir.file(fmt::format("gradsync-{}.out", run));
   require_success(run_logged(argv, "", out, std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1e3)),
                              thread_env(c)),
@@ -146,7 +156,8 @@ int run_step_bench(const BenchConfig& c) {
     return 0;
   }
   nlohmann::json out{{"config", {{"model", c.model}, {"per_rank_batch", c.per_rank_batch},
-                                 {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"backend", c.backend},
+                                 {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"wrap", c.wrap},
+                                 {"backend", c.backend},
                                  {"threads", c.threads}, {"steps", c.steps}, {"warmup", c.warmup},
                                  {"repeats", c.repeats}}},
                      {"gradsync", side_json(mine, c)}};
