@@ -22,6 +22,12 @@ class NamedStore : public c10d::Store {
       : Store(inner->getTimeout()), server_(std::move(server)), inner_(std::move(inner)), where_(std::move(where)),
         rank_(rank) {}
 
+  // c10d's client, destroyed after its server is gone, can throw from its destructor ("Connection reset by peer")
+  // and so terminate the process instead of letting this rank report the store's failure; it is then left to exit.
+  ~NamedStore() override {
+    if (server_gone_) (void)inner_.release();
+  }
+
   void set(const std::string& key, const std::vector<uint8_t>& value) override {
     guarded("set", key, [&] { inner_->set(key, value); });
   }
@@ -72,11 +78,12 @@ class NamedStore : public c10d::Store {
     }
   }
 
-  [[noreturn]] void fail(const char* op, const std::string& key, const std::string& what) const {
+  [[noreturn]] void fail(const char* op, const std::string& key, const std::string& what) {
     const bool gone = what.find("Broken pipe") != std::string::npos ||
                       what.find("Connection reset") != std::string::npos ||
                       what.find("Connection refused") != std::string::npos ||
                       what.find("Connection closed by peer") != std::string::npos;
+    server_gone_ = server_gone_ || gone;
     throw DistributedError(fmt::format(
         "rank {}: the rendezvous store at {} failed in {}('{}'): {}{}", rank_, where_, op, key, what,
         gone ? "; rank 0, which serves the store, has exited or failed (its own error, or the launcher's report, "
@@ -87,6 +94,7 @@ class NamedStore : public c10d::Store {
   c10::intrusive_ptr<c10d::Store> inner_;
   std::string where_;
   int rank_;
+  bool server_gone_ = false;
 };
 
 }  // namespace
