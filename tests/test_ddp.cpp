@@ -201,6 +201,36 @@ GRADSYNC_WORKER(ddp_unused) {
   return 0;
 }
 
+// A parameter used in a no_sync micro-step and unused on every rank in the synchronised one: as in PyTorch, each
+// rank's accumulated gradient is reduced (the mean over ranks of their micro-step gradients), not replaced by zeros.
+GRADSYNC_WORKER(ddp_unused_after_no_sync) {
+  auto world = join();
+  DdpOptions options;
+  options.find_unused_parameters(true);
+  TwoHeads model;
+  DistributedDataParallel ddp(model, world, options);
+  auto x = torch::ones({2, 4}) * (world->rank() + 1);
+  {
+    auto guard = ddp.no_sync();
+    ddp.forward_with([&] { return model->forward(x, true); }).sum().backward();
+  }
+  ddp.forward_with([&] { return model->forward(x, false); }).sum().backward();
+  TwoHeads reference;  // same seed, same initial parameters as every rank's model
+  for (int q = 0; q < world->size(); ++q) reference->forward(torch::ones({2, 4}) * (q + 1), true).sum().backward();
+  auto expected = reference->spare->weight.grad() / world->size();
+  auto grad = model->spare->weight.grad();
+  WORKER_CHECK(grad.defined() && torch::allclose(grad, expected, 1e-5, 1e-7), "spare.weight grad {} expected {}",
+               grad.defined() ? grad.sum().item<double>() : -1.0, expected.sum().item<double>());
+  return 0;
+}
+
+TEST(Ddp, AGradientAccumulatedUnderNoSyncIsReducedWhenTheSyncedStepLeavesItUnused) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(3, t::worker_argv("ddp_unused_after_no_sync"), opts);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+}
+
 TEST(Ddp, UnusedParameterWithoutFindUnusedFailsNamingItInsteadOfHanging) {
   t::CommandOptions opts;
   opts.timeout = std::chrono::seconds(60);

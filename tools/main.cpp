@@ -21,10 +21,11 @@ namespace {
 // buffers), and glibc hands such blocks back to the kernel at each free (mmap above a threshold that it adapts,
 // trimming of the heap), so every step page-faults them in again: 8-20 thousand faults per rank per step here. Kept
 // for reuse: zero1 on Gloo 0.63 x its step time, fsdp-full 0.94 x (docs/performance.md). Settings the user makes
-// through GLIBC_TUNABLES win.
+// (GLIBC_TUNABLES, or glibc's older MALLOC_*_ variables) win.
 void keep_freed_memory_for_reuse() {
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   if (tunables && std::string(tunables).find("glibc.malloc.") != std::string::npos) return;
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") || std::getenv("MALLOC_TRIM_THRESHOLD_")) return;
   mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest: blocks up to 32 MiB come from the heap
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }

@@ -30,6 +30,8 @@ void Reducer::queue_finalize(const std::weak_ptr<Reducer>& self) {
 
 void Reducer::mark_ready(size_t index, const std::weak_ptr<Reducer>& self) {
   std::lock_guard<std::mutex> lock(mutex);
+  // As PyTorch's local_used_map: a gradient in a no_sync micro-step makes the parameter used in this step.
+  if (params[index].grad().defined()) slots[index].used_since_sync = true;
   if (!expect_hooks) return;  // no_sync, or no synced forward armed this backward
   if (!callback_queued) queue_finalize(self);
   auto& slot = slots[index];
@@ -106,12 +108,18 @@ PendingWork Reducer::run_comm_hook(size_t index) {
   return comm_hook(world->comm(), view);
 }
 
-std::vector<size_t> Reducer::zero_unused() {
+std::vector<size_t> Reducer::zero_unused(bool joined) {
   std::vector<size_t> unused;
   for (size_t i = 0; i < slots.size(); ++i) {
     if (slots[i].ready) continue;
     unused.push_back(i);
-    slots[i].view.zero_();  // an unused parameter contributes zeros, still counted in the 1/N
+    // As PyTorch: a gradient this rank already holds (micro-steps under no_sync) is reduced; without one, or on a
+    // rank that joined (Join: zeros for every parameter), the parameter contributes zeros, still counted in 1/N.
+    if (!joined && params[i].grad().defined()) {
+      copy_into_bucket(i);
+    } else {
+      slots[i].view.zero_();
+    }
     slots[i].ready = true;
     --buckets[slots[i].bucket].pending;
   }
@@ -119,11 +127,13 @@ std::vector<size_t> Reducer::zero_unused() {
 }
 
 // PyTorch leaves .grad untouched for a parameter unused on every rank; that needs one small allreduce.
-std::vector<bool> Reducer::globally_used(const std::vector<size_t>& unused) {
+std::vector<bool> Reducer::globally_used(const std::vector<size_t>& unused, bool joined) {
   std::vector<bool> used(params.size(), true);
   if (!options.find_unused_parameters()) return used;
   auto local = torch::ones({static_cast<int64_t>(params.size())}, torch::kLong);
-  for (size_t i : unused) local[static_cast<int64_t>(i)] = 0;
+  for (size_t i : unused) {
+    if (joined || !slots[i].used_since_sync) local[static_cast<int64_t>(i)] = 0;
+  }
   world->comm().allreduce(local, Reduction::Sum);
   for (size_t i = 0; i < params.size(); ++i) used[i] = local[static_cast<int64_t>(i)].item<int64_t>() > 0;
   return used;
@@ -151,7 +161,7 @@ void Reducer::write_back(const std::vector<bool>& used_anywhere) {
     auto& grad = param.mutable_grad();
     const bool restore = std::exchange(slots[i].released, false) && !grad.defined();
     if (!used_anywhere[i] && !restore) continue;  // PyTorch leaves it untouched
-    const auto& view = slots[i].view;  // zeros for a parameter unused here (zero_unused)
+    const auto& view = slots[i].view;  // zeros for a released parameter unused here (zero_unused)
     if (options.gradient_as_bucket_view()) {
       if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = view;
     } else if (grad.defined()) {
@@ -166,16 +176,20 @@ void Reducer::write_back(const std::vector<bool>& used_anywhere) {
 void Reducer::finalize(bool joined) {
   std::lock_guard<std::mutex> lock(mutex);
   timeline.finalize_ms = ms_since_start();
-  auto unused = zero_unused();
+  auto unused = zero_unused(joined);
   launch_ready_buckets();
+  std::vector<bool> used_anywhere;
   try {
     for (auto& bucket : buckets) bucket.work.wait();
-    write_back(globally_used(unused));
+    used_anywhere = globally_used(unused, joined);
+    write_back(used_anywhere);
   } catch (...) {
+    for (auto& slot : slots) slot.used_since_sync = false;
     reset();
     join_divisor.reset();
     throw;
   }
+  for (auto& slot : slots) slot.used_since_sync = false;  // the next step's no_sync micro-steps start afresh
   reset();
   join_divisor.reset();  // set by Join::notify() for this step only (after_forward's reset() keeps it)
   synced_once = true;

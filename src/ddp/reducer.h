@@ -28,6 +28,7 @@ class Reducer {
     torch::Tensor view;  // this parameter's region of its bucket, shaped like the parameter
     bool ready = false;  // its gradient has been copied into the bucket in this backward
     bool released = false;  // zero_grad() dropped a defined .grad since the last synchronised backward
+    bool used_since_sync = false;  // received a gradient since the last synchronised backward (no_sync included)
   };
   struct Bucket {
     torch::Tensor flat;
@@ -91,8 +92,8 @@ class Reducer {
   double divisor() const;
   double bucket_scale() const;
   PendingWork run_comm_hook(size_t index);
-  std::vector<size_t> zero_unused();
-  std::vector<bool> globally_used(const std::vector<size_t>& unused);
+  std::vector<size_t> zero_unused(bool joined);
+  std::vector<bool> globally_used(const std::vector<size_t>& unused, bool joined);
   void write_back(const std::vector<bool>& used_anywhere);
   void reset();
   void build_buckets(const std::vector<BucketPlan>& layout);

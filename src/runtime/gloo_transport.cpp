@@ -1,5 +1,6 @@
 // The Gloo transport (transport.h): c10d's ProcessGroupGloo as libtorch 1.13 ships it.
 #include <cstdlib>
+#include <exception>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -44,8 +45,18 @@ class GlooWorks : public TransportWork {
  public:
   explicit GlooWorks(std::vector<c10::intrusive_ptr<c10d::Work>> works) : works_(std::move(works)) {}
 
+  // Every work is waited for, even after one failed: the others write into the caller's output, which the caller
+  // may free as soon as the error reaches it. The first failure is the one reported.
   void wait(std::chrono::milliseconds) override {  // Gloo enforces the group's own timeout
-    for (auto& work : works_) work->wait();
+    std::exception_ptr first;
+    for (auto& work : works_) {
+      try {
+        work->wait();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
   }
 
  private:

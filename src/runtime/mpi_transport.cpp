@@ -49,7 +49,8 @@ void ensure_mpi_initialized() {
   // Open MPI's shared-memory transport moves large messages between ranks of a host with process_vm_readv, which
   // pins the pages at every call; copying through its shared segment instead measured 1.5-2x faster here for
   // 1-25 MB allreduces (DDP's buckets: 16.8 MB in 2.0 against 3.1-4.4 ms), though slower beyond the cache (64 MB).
-  // A setting of the user's (the environment, or mpirun --mca) wins.
+  // A setting of the user's in the environment (or mpirun --mca, which arrives there) wins; one in an
+  // mca-params.conf file does not, since the environment outranks the file.
   setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", /*overwrite=*/0);
   int provided = 0;
   if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {

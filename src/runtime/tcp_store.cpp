@@ -1,6 +1,7 @@
 // The TCP store of a Gloo job (see tcp_store.h).
 #include "runtime/tcp_store.h"
 
+#include <atomic>
 #include <algorithm>
 #include <memory>
 
@@ -83,7 +84,7 @@ class NamedStore : public c10d::Store {
                       what.find("Connection reset") != std::string::npos ||
                       what.find("Connection refused") != std::string::npos ||
                       what.find("Connection closed by peer") != std::string::npos;
-    server_gone_ = server_gone_ || gone;
+    if (gone) server_gone_ = true;
     throw DistributedError(fmt::format(
         "rank {}: the rendezvous store at {} failed in {}('{}'): {}{}", rank_, where_, op, key, what,
         gone ? "; rank 0, which serves the store, has exited or failed (its own error, or the launcher's report, "
@@ -94,7 +95,7 @@ class NamedStore : public c10d::Store {
   c10::intrusive_ptr<c10d::Store> inner_;
   std::string where_;
   int rank_;
-  bool server_gone_ = false;
+  std::atomic<bool> server_gone_{false};  // set by whichever thread saw the failure
 };
 
 }  // namespace
