@@ -178,11 +178,9 @@ void Reducer::finalize(bool joined) {
   timeline.finalize_ms = ms_since_start();
   auto unused = zero_unused(joined);
   launch_ready_buckets();
-  std::vector<bool> used_anywhere;
   try {
     for (auto& bucket : buckets) bucket.work.wait();
-    used_anywhere = globally_used(unused, joined);
-    write_back(used_anywhere);
+    write_back(globally_used(unused, joined));
   } catch (...) {
     for (auto& slot : slots) slot.used_since_sync = false;
     reset();

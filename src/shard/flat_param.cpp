@@ -156,7 +156,6 @@ void FlatParam::free() {
 void FlatParam::ensure_grad_buffer() {
   if (grad_buffer_.defined()) return;
   grad_buffer_ = torch::empty({padded_numel_}, torch::TensorOptions().dtype(compute_dtype_));
-  taken_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].grad().defined()) take_grad(i);  // a gradient autograd made before the buffer existed
   }
@@ -164,18 +163,17 @@ void FlatParam::ensure_grad_buffer() {
 
 void FlatParam::take_grad(size_t i) {
   ensure_grad_buffer();
-  if (taken_[i]) return;  // .grad is the region: AccumulateGrad added into it in place
   torch::NoGradGuard no_grad;
   const auto& e = entries_[i];
   auto view = grad_buffer_.narrow(0, e.offset, e.numel).view(e.shape);
   auto& grad = params_[i].mutable_grad();
+  if (grad.defined() && grad.data_ptr() == view.data_ptr()) return;  // taken: AccumulateGrad added into it in place
   if (grad.defined()) {
     view.copy_(grad);
   } else {
     view.zero_();  // no gradient on this rank: it contributes zeros
   }
   grad = view;
-  taken_[i] = 1;
 }
 
 void FlatParam::zero_untaken() {
@@ -186,7 +184,6 @@ void FlatParam::zero_untaken() {
 void FlatParam::release_grad_buffer() {
   for (auto& p : params_) p.mutable_grad() = torch::Tensor();
   grad_buffer_ = torch::Tensor();
-  taken_.clear();
 }
 
 void FlatParam::start_reduce(Collectives& comm, double factor, CommStats& stats) {

@@ -127,7 +127,6 @@ class FlatParam {
   std::vector<torch::Tensor> pieces_;  // views of shard_, one per entry
   torch::Tensor full_;         // full buffer in the compute dtype; storage freed when not gathered
   torch::Tensor grad_buffer_;  // unsharded gradient (compute dtype), undefined when released
-  std::vector<char> taken_;  // per parameter: its region of grad_buffer_ holds its gradient
   PendingWork gather_work_;    // the all-gather into full_ in flight, if any
   PendingWork reduce_work_;    // the reduction into reduced_ in flight, if any
   torch::Tensor reduced_;      // this rank's reduced part (wire dtype) until finish_reduce(); undefined otherwise
