@@ -37,7 +37,8 @@ int main() try {
 
   auto sharded_model = make_model();
   gradsync::FullyShardedDataParallel fsdp(
-      sharded_model, world, gradsync::FsdpOptions().strategy(gradsync::ShardingStrategy::FullShard));
+      sharded_model, world,
+      gradsync::FsdpOptions().strategy(gradsync::ShardingStrategy::FullShard).wrap(gradsync::WrapPolicy::children()));
   torch::optim::SGD optimizer(fsdp.parameters(), torch::optim::SGDOptions(0.05));  // this rank's shards
   auto reference = make_model();                     // one process on the global batch, on every rank
   torch::optim::SGD reference_optimizer(reference->parameters(), torch::optim::SGDOptions(0.05));

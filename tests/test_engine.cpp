@@ -126,10 +126,9 @@ gradsync::StateDict reference(int n, const std::vector<std::vector<Step>>& by_ra
   return gradsync::state_dict(*model);
 }
 
+// A unit per layer: the default would make this small model one unit (kDefaultUnitParams).
 gradsync::FsdpOptions fsdp(gradsync::ShardingStrategy strategy) {
-  gradsync::FsdpOptions o;
-  o.strategy(strategy);
-  return o;
+  return gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::children());
 }
 
 }  // namespace

@@ -32,6 +32,10 @@ namespace F = torch::nn::functional;
 
 namespace {
 
+// A unit per layer: these models hold a few hundred parameters, which the default (kDefaultUnitParams) would make
+// one unit, leaving the multi-unit paths (prefetch, the kept last unit, per-unit reductions) untested.
+FsdpOptions per_layer() { return FsdpOptions().wrap(gradsync::WrapPolicy::children()); }
+
 ShardingStrategy strategy_of(const std::string& name) {
   if (name == "full") return ShardingStrategy::FullShard;
   if (name == "grad_op") return ShardingStrategy::ShardGradOp;
@@ -89,7 +93,7 @@ GRADSYNC_WORKER(fsdp_equivalence) {
     auto ddp_model = sh::make_mlp(c.widths, c.batch_norm, r == 0 ? 0 : 100 + r);  // rank 0's must win
     auto fsdp_model = sh::make_mlp(c.widths, c.batch_norm, r == 0 ? 0 : 200 + r);
     gradsync::DistributedDataParallel ddp(ddp_model, world);
-    FsdpOptions o;
+    FsdpOptions o = per_layer();
     o.strategy(strategy_of(c.strategy));
     o.wrap(gradsync::parse_wrap_policy(c.wrap));
     o.accumulation(c.accumulation == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
@@ -196,7 +200,7 @@ GRADSYNC_WORKER(fsdp_sum_vs_mean) {
   for (const char* strategy : {"full", "grad_op", "no_shard"}) {
     for (auto reduction : {gradsync::Reduction::Mean, gradsync::Reduction::Sum}) {
       auto model = nn::Linear(nn::LinearOptions(5, 1).bias(false));
-      FsdpOptions o;
+      FsdpOptions o = per_layer();
       o.strategy(strategy_of(strategy));
       o.reduction(reduction);
       FullyShardedDataParallel fsdp(model, world, o);  // no children: everything is the root unit
@@ -232,7 +236,7 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
   const int r = world->rank();
   const std::string widths = "6-13-7-3";
   auto model = sh::make_mlp(widths, true, 0);
-  FsdpOptions o;
+  FsdpOptions o = per_layer();
   FullyShardedDataParallel fsdp(model, world, o);
   auto opt = sh::make_optimizer("sgd", fsdp.parameters());
   for (int64_t step = 0; step < 2; ++step) {
@@ -256,7 +260,7 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
   // Re-shard into NO_SHARD / SHARD_GRAD_OP models with other initial values.
   for (auto strategy : {ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto other = sh::make_mlp(widths, true, 77);
-    FsdpOptions o2;
+    FsdpOptions o2 = per_layer();
     o2.strategy(strategy);
     o2.wrap(gradsync::WrapPolicy::at_least(100));
     FullyShardedDataParallel loaded(other, world, o2);
@@ -330,7 +334,7 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
     }
   };
   auto model = sh::make_mlp(widths, false, 0);
-  FullyShardedDataParallel fsdp(model, world);
+  FullyShardedDataParallel fsdp(model, world, per_layer());
   auto opt = sh::make_optimizer("adam", fsdp.parameters());
   train(fsdp, *opt, 0, 2);
   fsdp.save_sharded(dir, opt.get());
@@ -338,7 +342,7 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
   auto uninterrupted = fsdp.state_dict();
 
   auto model2 = sh::make_mlp(widths, false, 5);
-  FullyShardedDataParallel resumed(model2, world);
+  FullyShardedDataParallel resumed(model2, world, per_layer());
   auto opt2 = sh::make_optimizer("adam", resumed.parameters());
   resumed.load_sharded(dir, opt2.get());
   train(resumed, *opt2, 2, 4);
@@ -346,14 +350,14 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
   WORKER_CHECK(d == 0, "resumed training differs by {}", d);
   // Without the optimizer state the resumed run must differ (Adam's moments matter): the test can fail.
   auto model3 = sh::make_mlp(widths, false, 5);
-  FullyShardedDataParallel no_state(model3, world);
+  FullyShardedDataParallel no_state(model3, world, per_layer());
   auto opt3 = sh::make_optimizer("adam", no_state.parameters());
   no_state.load_sharded(dir, nullptr);
   train(no_state, *opt3, 2, 4);
   WORKER_CHECK(sh::max_relative_difference(no_state.state_dict(), uninterrupted) > 1e-4,
                "optimizer state made no difference");
   // A checkpoint loads only with the world size it was written with: a clear error on every rank.
-  FsdpOptions no_shard;
+  FsdpOptions no_shard = per_layer();
   no_shard.strategy(ShardingStrategy::NoShard);
   auto model4 = sh::make_mlp(widths, false, 5);
   FullyShardedDataParallel other_layout(model4, world, no_shard);
@@ -392,7 +396,7 @@ GRADSYNC_WORKER(fsdp_clip) {
     for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
       auto local = sh::make_mlp("6-13-7-3", false, 0);
       auto model = sh::make_mlp("6-13-7-3", false, 0);
-      FsdpOptions o;
+      FsdpOptions o = per_layer();
       o.strategy(strategy_of(strategy));
       FullyShardedDataParallel fsdp(model, world, o);
       auto local_opt = sh::make_optimizer("plain", local->parameters());
@@ -452,7 +456,7 @@ GRADSYNC_WORKER(fsdp_memory) {
   const int64_t ddp_peak = ddp_meter.stats().peak_total();
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto model = sh::make_mlp(widths, false, 0);
-    FsdpOptions o;
+    FsdpOptions o = per_layer();
     o.strategy(strategy);
     FullyShardedDataParallel fsdp(model, world, o);
     auto opt = sh::make_optimizer("adam", fsdp.parameters());
@@ -490,18 +494,49 @@ TEST(Fsdp, FullShardPeakMemoryIsAQuarterOfDdpPlusTwoUnitsAtFourRanks) {
   expect_all_ok(results, true);
 }
 
+// The unit a forward ran last stays gathered for the backward that starts with it, and the root unit is gathered for
+// the whole step. A forward whose backward never comes must leave neither stale: parameters changed before the next
+// forward (here halved in place) are the ones used. Units: one (the default here: kept and then run first), a unit
+// and the root, a unit per layer.
+GRADSYNC_WORKER(fsdp_forward_without_backward) {
+  auto world = sh::join();
+  for (const auto& wrap : {FsdpOptions().wrap(), gradsync::WrapPolicy::list({"2"}), gradsync::WrapPolicy::children()}) {
+    auto model = sh::make_mlp("6-13-7-3", false, 0);
+    auto local = sh::make_mlp("6-13-7-3", false, 0);
+    FullyShardedDataParallel fsdp(model, world, FsdpOptions().wrap(wrap));
+    auto [x, y] = sh::global_batch(0, 4, 6, 3);
+    fsdp.forward(x);  // with grad, and no backward
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : fsdp.parameters()) p.mul_(0.5);  // this rank's shards
+      for (auto& p : local->parameters()) p.mul_(0.5);
+    }
+    const auto got = fsdp.forward(x);
+    F::cross_entropy(got, y).backward();
+    const double d = (got - local->forward(x)).abs().max().item<double>();
+    WORKER_CHECK(d < 1e-6, "wrap {}: the second forward differs from the halved model by {}", wrap.to_string(), d);
+  }
+  return 0;
+}
+
+TEST(Fsdp, AForwardWithoutBackwardLeavesNoStaleParametersGathered) {
+  expect_all_ok(t::run_ranks(2, t::worker_argv("fsdp_forward_without_backward"), options()));
+}
+
 // Bytes each rank really sent in one step (the kernel's count of bytes written, Gloo's TCP included) against the
 // ZeRO paper's volumes: 2 Psi for DDP, SHARD_GRAD_OP, NO_SHARD; 3 Psi for FULL_SHARD (times (N-1)/N for ring
-// algorithms). Psi = parameter bytes.
+// algorithms), less the last unit's parameters, which stay gathered from forward into backward (Note [The last
+// unit stays gathered]). Psi = parameter bytes.
 GRADSYNC_WORKER(fsdp_traffic) {
   auto world = sh::join();
   const int n = world->size();
   const std::string widths = "64-64-64-64-64-64-64-64-64";
-  auto model_bytes = [&] {
-    int64_t numel = 0;
-    for (const auto& p : sh::make_mlp(widths, false, 0)->parameters()) numel += p.numel();
-    return static_cast<double>(numel * 4);
-  }();
+  int64_t numel = 0, last_layer = 0;  // the last Linear (weight and bias) is the forward's last unit
+  const auto params = sh::make_mlp(widths, false, 0)->parameters();
+  for (const auto& p : params) numel += p.numel();
+  for (size_t i = params.size() - 2; i < params.size(); ++i) last_layer += params[i].numel();
+  const double model_bytes = static_cast<double>(numel * 4);
+  const double kept = static_cast<double>(last_layer) / static_cast<double>(numel);
   const double unit = model_bytes * (n - 1) / n;  // what one ring all-gather of the model sends per rank
   auto measure = [&](auto&& step) {
     auto [x, y] = sh::global_batch(0, 8, 64, 64);
@@ -522,7 +557,7 @@ GRADSYNC_WORKER(fsdp_traffic) {
   std::vector<std::pair<std::string, double>> rows{{"ddp", ddp_psi}};
   for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::ShardGradOp, ShardingStrategy::NoShard}) {
     auto model = sh::make_mlp(widths, false, 0);
-    FsdpOptions o;
+    FsdpOptions o = per_layer();
     o.strategy(strategy);
     FullyShardedDataParallel fsdp(model, world, o);
     const double psi = measure([&](auto& x, auto& y) {
@@ -531,13 +566,22 @@ GRADSYNC_WORKER(fsdp_traffic) {
     });
     rows.emplace_back(gradsync::to_string(strategy), psi);
   }
-  const std::map<std::string, double> expected{{"ddp", 2}, {"full_shard", 3}, {"shard_grad_op", 2}, {"no_shard", 2}};
+  const std::map<std::string, double> expected{
+      {"ddp", 2}, {"full_shard", 3 - kept}, {"shard_grad_op", 2}, {"no_shard", 2}};
+  std::map<std::string, double> sent;
   for (const auto& [name, psi] : rows) {
     if (world->rank() == 0) fmt::print("N={} {:<14} sent {:.3f} x (N-1)/N Psi per step (paper: {})\n", n, name, psi,
                                        expected.at(name));
     WORKER_CHECK(std::abs(psi - expected.at(name)) < 0.1 * expected.at(name), "{}: {} x Psi(N-1)/N, expected {}",
                  name, psi, expected.at(name));
+    sent[name] = psi;
   }
+  // Messages of the same sizes carry the same headers: against SHARD_GRAD_OP, FULL_SHARD's extra gathers show
+  // within 1 %, so the unit kept gathered into backward (kept = 1/8 of Psi here) is seen to save its gather.
+  const double full_over_grad_op = sent.at("full_shard") / sent.at("shard_grad_op");
+  WORKER_CHECK(std::abs(full_over_grad_op / ((3 - kept) / 2) - 1) < 0.01,
+               "full_shard / shard_grad_op sent {:.4f}, expected (3 - {:.4f}) / 2 = {:.4f}", full_over_grad_op, kept,
+               (3 - kept) / 2);
   return 0;
 }
 
@@ -577,7 +621,7 @@ GRADSYNC_WORKER(fsdp_mixed_precision) {
   auto reference = train({}, false);
   for (const char* reduce : {"fp32", "bf16", "fp16"}) {
     for (auto strategy : {ShardingStrategy::FullShard, ShardingStrategy::NoShard}) {
-      FsdpOptions o;
+      FsdpOptions o = per_layer();
       o.strategy(strategy);
       o.mixed_precision().param_dtype = torch::kBFloat16;
       o.mixed_precision().reduce_dtype = gradsync::parse_dtype(reduce);
@@ -611,7 +655,7 @@ TORCH_MODULE(TwoBlocks);
 GRADSYNC_WORKER(fsdp_order) {
   auto world = sh::join();
   TwoBlocks model;
-  FullyShardedDataParallel fsdp(model, world);
+  FullyShardedDataParallel fsdp(model, world, per_layer());
   const bool swapped = world->rank() == 1;
   auto x = torch::randn({2, 4});
   auto out = fsdp.forward_with([&] {
@@ -653,6 +697,23 @@ TEST(WrapPolicy, ParsesTheCliSpellingsAndRejectsOthers) {
   }
 }
 
+// The default units hold at least 25 MiB of float32 parameters (DDP's bucket size): eight 1024x1024 layers make
+// one unit of seven (7.3 M parameters) and one of the last, a small model one unit.
+TEST(WrapPolicy, TheDefaultGroupsLayersIntoUnitsOfDdpsBucketSize) {
+  EXPECT_EQ(FsdpOptions().wrap().to_string(), "params:6553600");
+  EXPECT_EQ(gradsync::kDefaultUnitParams * 4, 25 << 20);
+  nn::Sequential layers;
+  for (int i = 0; i < 8; ++i) layers->push_back(nn::Linear(1024, 1024));  // 1,049,600 parameters each
+  std::vector<std::string> names;
+  for (const auto& u : gradsync::plan_units(*layers, FsdpOptions().wrap())) {
+    names.push_back(u.name + ":" + std::to_string(u.numel()));
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"0..6:7347200", "7:1049600"}));
+  const auto small = gradsync::plan_units(*sh::make_mlp("6-13-7-3", true, 0), FsdpOptions().wrap());
+  ASSERT_EQ(small.size(), 1u);
+  EXPECT_EQ(small[0].name, "0..6");
+}
+
 TEST(WrapPolicy, PlansUnitsAsChildRangesWithTheRestInTheRoot) {
   auto model = sh::make_mlp("6-13-7-3", true, 0);  // 0 Linear 1 BN 2 ReLU 3 Linear 4 BN 5 ReLU 6 Linear
   auto children = gradsync::plan_units(*model, gradsync::WrapPolicy::children());
@@ -678,7 +739,7 @@ TEST(WrapPolicy, PlansUnitsAsChildRangesWithTheRestInTheRoot) {
 TEST(FsdpLocal, WorldOfOneTrainsLikeLocalAndNonSequentialForwardIsRejected) {
   auto world = gradsync::init({std::chrono::seconds(10), gradsync::LaunchEnv{}, std::nullopt});
   TwoBlocks blocks;
-  FullyShardedDataParallel fsdp(blocks, world);
+  FullyShardedDataParallel fsdp(blocks, world, per_layer());
   EXPECT_THROW(fsdp.forward(torch::randn({2, 4})), gradsync::ConfigError);
   EXPECT_THROW(fsdp.unit("a", [] { return torch::Tensor(); }), gradsync::Error);  // outside forward_with
   EXPECT_THROW(fsdp.forward_with([&] { return fsdp.unit("c", [] { return torch::Tensor(); }); }),

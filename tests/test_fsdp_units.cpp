@@ -112,7 +112,7 @@ TEST(FsdpUnits, SlotsRunUnitsAndAreTheUsersAgainAfterwards) {
   const auto x = torch::randn({4, 5});
   const auto expected = model->forward(x).detach();
   {
-    gradsync::FullyShardedDataParallel fsdp(model, world);
+    gradsync::FullyShardedDataParallel fsdp(model, world, gradsync::FsdpOptions().wrap(gradsync::WrapPolicy::children()));
     Names names;
     for (const auto& u : fsdp.units()) names.push_back(u.name);
     EXPECT_EQ(names, (Names{"layers.0", "layers.1", "layers.2", "(root)"}));
@@ -163,7 +163,8 @@ GRADSYNC_WORKER(fsdp_user_module) {
   const auto strategy = args.at(0) == "full_shard"      ? gradsync::ShardingStrategy::FullShard
                         : args.at(0) == "shard_grad_op" ? gradsync::ShardingStrategy::ShardGradOp
                                                         : gradsync::ShardingStrategy::NoShard;
-  gradsync::FullyShardedDataParallel fsdp(model, world, gradsync::FsdpOptions().strategy(strategy));
+  const auto per_layer = gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::children());
+  gradsync::FullyShardedDataParallel fsdp(model, world, per_layer);
   WORKER_CHECK(fsdp.units().size() == 4, "{} units", fsdp.units().size());
   train(fsdp, world->rank(), world->size());
   const auto got = fsdp.state_dict();

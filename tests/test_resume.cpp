@@ -86,6 +86,7 @@ std::vector<std::string> config_flags(const Config& c, int64_t steps, const std:
                              std::to_string(steps), "--optimizer", c.optimizer};
   if (c.strategy != "local") f = plus(f, {"--world-size", std::to_string(c.world)});
   if (c.optimizer == "sgd") f = plus(f, {"--momentum", "0.9"});
+  if (c.strategy.rfind("fsdp", 0) == 0) f = plus(f, {"--wrap", "children"});  // several units, each checkpointed
   return f;
 }
 

@@ -2,7 +2,7 @@
 // over the ranks, unit by unit (ZeRO stages 2 and 3), or keeps them whole (NO_SHARD, DDP's arithmetic).
 //
 //   auto world = gradsync::init();
-//   gradsync::FullyShardedDataParallel fsdp(model, world);           // FULL_SHARD, a unit per Sequential element, mean
+//   gradsync::FullyShardedDataParallel fsdp(model, world);           // FULL_SHARD, units of >= 25 MiB, mean
 //   torch::optim::Adam optimizer(fsdp.parameters(), 1e-3);          // over this rank's shards only
 //   fsdp.track_optimizer(&optimizer);                                // its state counts in fsdp.memory()
 //   auto loss = loss_fn(fsdp.forward(x), y);
@@ -15,8 +15,9 @@
 //
 // One unit's life in a FULL_SHARD step (a unit is a group of children chosen by the wrap policy; its parameters
 // are one flat buffer, src/shard/flat_param.h):
-//   forward   all-gather -> run the unit's children -> free (reshard); a hook goes on the unit's output
-//   backward  output hook: all-gather again, allocate the unsharded gradient buffer
+//   forward   all-gather -> run the unit's children -> free (reshard) once the next unit runs; a hook goes on
+//             the unit's output. The forward's last unit stays gathered: the backward starts with it.
+//   backward  output hook: all-gather again (not the last unit), allocate the unsharded gradient buffer
 //             AccumulateGrad fills it; when the unit's last parameter gradient is in: x 1/N, reduce-scatter (SUM),
 //             add into the shard's .grad, free the buffer and the parameters
 //   end of backward (queued callback): units that got no gradient contribute zeros; remaining frees
@@ -110,11 +111,17 @@ enum class ShardedAccumulation {
   ReduceEveryMicroStep,
 };
 
+// The default units: consecutive elements grouped until a unit holds this many parameters, 25 MiB of float32, the
+// size of DDP's buckets and for the same reason: every collective pays a fixed cost (0.3 ms on Gloo at 2 ranks, ms
+// at 4 on 2 cores; docs/performance.md), which units of one small layer each pay many times a step. A model below
+// it is one unit, as in PyTorch FSDP without an auto-wrap policy; WrapPolicy::children() gives a unit per layer.
+inline constexpr int64_t kDefaultUnitParams = 25 * 1024 * 1024 / 4;
+
 // PyTorch FSDP's constructor arguments, chained like libtorch's options:
 //   gradsync::FsdpOptions().strategy(gradsync::ShardingStrategy::ShardGradOp).wrap(gradsync::WrapPolicy::at_least(1 << 20))
 struct FsdpOptions {
   TORCH_ARG(ShardingStrategy, strategy) = ShardingStrategy::FullShard;
-  TORCH_ARG(WrapPolicy, wrap) = WrapPolicy::children();
+  TORCH_ARG(WrapPolicy, wrap) = WrapPolicy::at_least(kDefaultUnitParams);
   TORCH_ARG(MixedPrecision, mixed_precision);                   // see Note [Mixed precision on Gloo]
   TORCH_ARG(Reduction, reduction) = Reduction::Mean;            // PyTorch DDP/FSDP: mean
   // Rank 0's buffers before a forward that follows a synced one (as DDP).

@@ -75,6 +75,9 @@ void ShardedUnits::begin_forward() {
   events.clear();
   forward_order.clear();
   for (size_t u = 0; u < progress.size(); ++u) progress[u] = Progress{false, flats[u]->params().size(), false};
+  // Nothing is gathered here unless the last forward's backward never came (its root, its kept unit): their
+  // parameters may have changed since, so they are gathered again.
+  free_all();
   buffers.before_forward(comm());
   if (root >= 0) {
     gather(static_cast<size_t>(root), OrderCheck::Op::ForwardGather);
@@ -91,6 +94,7 @@ void ShardedUnits::record(Event::Kind kind, size_t u, bool needs_backward) {
 // The forward reaches unit u: gathered, and the unit after it in plan order (the order of a Sequential's elements)
 // prefetched, within kMaxGatheredUnits unless SHARD_GRAD_OP holds every unit anyway.
 void ShardedUnits::enter_unit(size_t u) {
+  release_kept(/*except=*/u);  // not the last unit after all: freed before anything else is gathered
   gather(u, OrderCheck::Op::ForwardGather);
   forward_order.push_back(u);
   const size_t next = u + 1;
@@ -99,9 +103,26 @@ void ShardedUnits::enter_unit(size_t u) {
   if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(next, OrderCheck::Op::ForwardGather);
 }
 
+// Note [The last unit stays gathered]: FULL_SHARD frees a unit once its forward is done, except the unit that
+// turns out to be the forward's last: the backward starts with it, and freeing it would only gather the same bytes
+// again (one all-gather of that unit per step saved; PyTorch keeps its root unit the same way). Whether a unit was
+// the last is known when the next one runs, so the unit just left is kept until then. Every rank runs the same
+// units in the same order, so every rank skips the same all-gather.
 void ShardedUnits::leave_unit(size_t u, bool needs_backward) {
   progress[u].needs_backward = progress[u].needs_backward || needs_backward;
-  if (options.strategy() == ShardingStrategy::FullShard) flats[u]->free();
+  if (options.strategy() != ShardingStrategy::FullShard) return;
+  if (needs_backward) {
+    kept_gathered = u;
+  } else {
+    flats[u]->free();
+  }
+}
+
+// Frees the unit kept gathered by leave_unit(), unless it is `except` (about to run again, or its backward starts).
+void ShardedUnits::release_kept(std::optional<size_t> except) {
+  if (!kept_gathered) return;
+  if (*kept_gathered != except) flats[*kept_gathered]->free();
+  kept_gathered.reset();
 }
 
 torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn) {
@@ -176,6 +197,7 @@ void ShardedUnits::start_backward() {
 void ShardedUnits::pre_backward(size_t u) {
   start_backward();
   record(Event::Kind::PreBackward, u);
+  if (kept_gathered == u) kept_gathered.reset();  // still gathered from forward: its backward frees it
   gather(u, OrderCheck::Op::BackwardGather);  // FULL_SHARD freed it after forward (or prefetched it)
   flats[u]->ensure_grad_buffer();
   sample_memory();
@@ -292,6 +314,7 @@ double ShardedUnits::grad_factor() const { return gradient_factor(options.reduct
 
 void ShardedUnits::free_all() {
   for (auto& f : flats) f->free();
+  kept_gathered.reset();
 }
 
 void ShardedUnits::build(const std::string& who) {

@@ -70,6 +70,9 @@ class ShardedUnits {
   std::vector<Event> events;                        // this micro-step's, in order
   std::optional<std::vector<Event>> last_events;    // the last completed micro-step's: what a shadow one replays
   std::vector<size_t> forward_order;                // units in the order this forward ran them
+  // FULL_SHARD: the unit this forward ran last stays gathered until another unit runs or its own backward starts,
+  // so the backward that begins with it does not gather what was just freed (Note [The last unit stays gathered]).
+  std::optional<size_t> kept_gathered;
   std::deque<size_t> reductions_in_flight;          // started in backward, oldest first
 
   Collectives& comm() { return world->comm(); }
@@ -111,6 +114,7 @@ class ShardedUnits {
   void require_item_count() const;
   void record(Event::Kind kind, size_t u, bool needs_backward = false);
   void enter_unit(size_t u);
+  void release_kept(std::optional<size_t> except = std::nullopt);
   void leave_unit(size_t u, bool needs_backward);
   void gather(size_t u, OrderCheck::Op op);
   void start_gather(size_t u, OrderCheck::Op op);

@@ -24,19 +24,31 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Median seconds of `iterations` runs of `op`, each started together (a barrier first), after `warmup` runs.
-template <typename Op, typename Barrier>
-double time_op(const AllreduceBenchConfig& c, Op&& op, Barrier&& barrier) {
-  for (int i = 0; i < c.warmup; ++i) op();
-  std::vector<double> seconds;
-  for (int i = 0; i < c.iterations; ++i) {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median seconds of `iterations` runs of each of two ops, interleaved (mine, raw, mine, ...) so that drift in the
+// machine's speed falls on both alike, each started together on every rank (a barrier first), after `warmup` runs.
+template <typename Mine, typename Raw, typename Barrier>
+std::pair<double, double> time_interleaved(const AllreduceBenchConfig& c, Mine&& mine, Raw&& raw, Barrier&& barrier) {
+  for (int i = 0; i < c.warmup; ++i) {
+    mine();
+    raw();
+  }
+  auto timed = [&](auto&& op) {
     barrier();
     const auto start = Clock::now();
     op();
-    seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  std::vector<double> mine_seconds, raw_seconds;
+  for (int i = 0; i < c.iterations; ++i) {
+    mine_seconds.push_back(timed(mine));
+    raw_seconds.push_back(timed(raw));
   }
-  std::sort(seconds.begin(), seconds.end());
-  return seconds[seconds.size() / 2];
+  return {median(mine_seconds), median(raw_seconds)};
 }
 
 // c10d's ProcessGroupGloo, made here as a user of c10d would (rank 0 serves a TCPStore on MASTER_PORT, which
@@ -87,8 +99,7 @@ int run_allreduce_rank(const AllreduceBenchConfig& c, const std::string& out) {
     const int64_t bytes = parse_byte_size(size);
     auto t = torch::ones({bytes / 4}, torch::kFloat);
     auto barrier = [&] { world->comm().barrier(); };
-    const double mine = time_op(c, [&] { world->comm().allreduce(t, Reduction::Sum); }, barrier);
-    const double raw = time_op(c, [&] {
+    const auto [mine, raw] = time_interleaved(c, [&] { world->comm().allreduce(t, Reduction::Sum); }, [&] {
       if (mpi) {
         MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       } else {

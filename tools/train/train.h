@@ -58,7 +58,7 @@ struct TrainConfig {
   bool eval = false;              // --eval: test-split accuracy after every epoch (train/evaluate.h)
   std::string eval_data;          // --eval-data SPEC: the split to evaluate on (implies --eval)
   // Sharded strategies (see engine_factory.h, docs/sharding.md).
-  std::string wrap;                       // fsdp-*, zero1: children | params:N | list:A,B | type:T,U (default children)
+  std::string wrap;                       // fsdp-*, zero1: children | params:N | list:A,B | type:T,U (fsdp default params:6553600)
   std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
   std::string reduce_dtype;               // fsdp-*: gradient reduction dtype, default the param dtype
   std::string accumulate_grads = "full";  // fsdp-*: full (no_sync) | sharded (reduce-scatter every micro-step)

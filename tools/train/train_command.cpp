@@ -5,7 +5,9 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
+#include "gradsync/fsdp.h"
 #include "launch/backend_flag.h"
 #include "launch/launch.h"
 #include "train/engine_factory.h"
@@ -40,10 +42,12 @@ void add_optimizer_options(CLI::App* cmd, TrainConfig& c) {
 
 // The engine's own flags: sharding (fsdp-*), DDP's communication hook, memory reporting.
 void add_engine_options(CLI::App* cmd, TrainConfig& c) {
-  cmd->add_option("--wrap", c.wrap, "fsdp-*, zero1: units: children (the elements of the outermost Sequentials; "
-                  "fsdp's default), params:N (consecutive elements until N parameters), list:A,B (modules by "
-                  "qualified name, e.g. blocks.0) or type:T,U (every module of a type, e.g. Block); the rest form the "
-                  "root unit. zero1 default: one flat parameter");
+  cmd->add_option("--wrap", c.wrap,
+                  fmt::format("fsdp-*, zero1: units: children (the elements of the outermost Sequentials, one unit "
+                              "each), params:N (consecutive elements until N parameters; fsdp's default params:{}, "
+                              "25 MiB of fp32 per unit, DDP's bucket size), list:A,B (modules by qualified name, e.g. "
+                              "blocks.0) or type:T,U (every module of a type, e.g. Block); the rest form the root "
+                              "unit. zero1 default: one flat parameter", kDefaultUnitParams));
   cmd->add_option("--param-dtype", c.param_dtype, "fsdp-*: compute dtype fp32, bf16, fp16 or fp64 (master stays fp32)");
   cmd->add_option("--reduce-dtype", c.reduce_dtype, "fsdp-*: gradient reduction dtype (default the param dtype)");
   cmd->add_option("--accumulate-grads", c.accumulate_grads,
