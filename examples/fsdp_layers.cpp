@@ -1,6 +1,7 @@
 // fsdp_layers: FullyShardedDataParallel (FULL_SHARD) on a module of several layers. Each Linear is its own unit
 // (WrapPolicy::children(), PyTorch's "wrap each layer"): between its forward and backward a rank holds only its
-// 1/N shard of every unit's parameters, and the step equals one process training on the global batch.
+// 1/N shard of every unit's parameters but the last unit's (the backward starts with it), and the step equals one
+// process training on the global batch.
 //
 // Usage: fsdp_layers   (as N ranks: gradsync launch -n 2 -- fsdp_layers)
 #include <cmath>

@@ -712,6 +712,11 @@ TEST(WrapPolicy, TheDefaultGroupsLayersIntoUnitsOfDdpsBucketSize) {
   const auto small = gradsync::plan_units(*sh::make_mlp("6-13-7-3", true, 0), FsdpOptions().wrap());
   ASSERT_EQ(small.size(), 1u);
   EXPECT_EQ(small[0].name, "0..6");
+  // Without a Sequential the direct children have no slot: forward_with() runs them by name, one unit each.
+  TwoBlocks blocks;
+  names.clear();
+  for (const auto& u : gradsync::plan_units(*blocks, FsdpOptions().wrap())) names.push_back(u.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"a", "b"}));
 }
 
 TEST(WrapPolicy, PlansUnitsAsChildRangesWithTheRestInTheRoot) {

@@ -226,7 +226,8 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
   fs::remove_all(dir, ignored);
 }
 
-// The same experiments on the residual model (not a Sequential: FSDP runs its Blocks as units) and on the CNN:
+// The same experiments on the residual model (not a Sequential: FSDP runs its blocks in their Sequential's slots)
+// and on the CNN:
 // every measurement still tells the sum from the mean.
 TEST(LabCli, QuickRunOnResAndCnnReachesTheSameAnswer) {
   for (const char* model : {"res:784-16-2-10", "cnn:2-4-10"}) {

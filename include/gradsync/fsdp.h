@@ -2,7 +2,7 @@
 // over the ranks, unit by unit (ZeRO stages 2 and 3), or keeps them whole (NO_SHARD, DDP's arithmetic).
 //
 //   auto world = gradsync::init();
-//   gradsync::FullyShardedDataParallel fsdp(model, world);           // FULL_SHARD, units of >= 25 MiB, mean
+//   gradsync::FullyShardedDataParallel fsdp(model, world);           // FULL_SHARD, units grouped to >= 25 MiB, mean
 //   torch::optim::Adam optimizer(fsdp.parameters(), 1e-3);          // over this rank's shards only
 //   fsdp.track_optimizer(&optimizer);                                // its state counts in fsdp.memory()
 //   auto loss = loss_fn(fsdp.forward(x), y);
@@ -115,6 +115,7 @@ enum class ShardedAccumulation {
 // size of DDP's buckets and for the same reason: every collective pays a fixed cost (0.3 ms on Gloo at 2 ranks, ms
 // at 4 on 2 cores; docs/performance.md), which units of one small layer each pay many times a step. A model below
 // it is one unit, as in PyTorch FSDP without an auto-wrap policy; WrapPolicy::children() gives a unit per layer.
+// A module without a Sequential keeps its direct children one unit each (forward_with() runs them by name).
 inline constexpr int64_t kDefaultUnitParams = 25 * 1024 * 1024 / 4;
 
 // PyTorch FSDP's constructor arguments, chained like libtorch's options:

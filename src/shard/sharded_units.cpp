@@ -197,7 +197,9 @@ void ShardedUnits::start_backward() {
 void ShardedUnits::pre_backward(size_t u) {
   start_backward();
   record(Event::Kind::PreBackward, u);
-  if (kept_gathered == u) kept_gathered.reset();  // still gathered from forward: its backward frees it
+  // The kept unit is u (still gathered from forward: its backward frees it) or, when the backward does not start
+  // with the forward's last unit (its output unused), one that no longer needs holding.
+  release_kept(/*except=*/u);
   gather(u, OrderCheck::Op::BackwardGather);  // FULL_SHARD freed it after forward (or prefetched it)
   flats[u]->ensure_grad_buffer();
   sample_memory();

@@ -88,9 +88,18 @@ UnitPlan unit_of(const std::vector<Node>& siblings, size_t first, size_t last) {
   return unit;
 }
 
+void one_unit_per_child(const std::vector<Node>& children, std::vector<UnitPlan>& units) {
+  for (size_t i = 0; i < children.size(); ++i) {
+    if (children[i].numel > 0) units.push_back(unit_of(children, i, i));
+  }
+}
+
 // Consecutive elements with parameters, closed as soon as the group reaches the threshold; a trailing group below
-// it is a unit too (keeping it in the root would hold it gathered through the whole step).
+// it is a unit too (keeping it in the root would hold it gathered through the whole step). The direct children of
+// a module without a Sequential have no slot: forward_with() runs them by name, one unit each, so they are not
+// grouped into ranges a caller could not name.
 void group_by_size(const std::vector<Node>& children, int64_t min_params, std::vector<UnitPlan>& units) {
+  if (!children.empty() && !children.front().parent_sequential) return one_unit_per_child(children, units);
   bool open = false;
   size_t first = 0, last_with_params = 0;
   int64_t count = 0;
@@ -109,12 +118,6 @@ void group_by_size(const std::vector<Node>& children, int64_t min_params, std::v
     }
   }
   if (open) units.push_back(unit_of(children, first, last_with_params));
-}
-
-void one_unit_per_child(const std::vector<Node>& children, std::vector<UnitPlan>& units) {
-  for (size_t i = 0; i < children.size(); ++i) {
-    if (children[i].numel > 0) units.push_back(unit_of(children, i, i));
-  }
 }
 
 void check_not_nested(const std::vector<UnitPlan>& units) {
