@@ -262,6 +262,10 @@ StoreServer::~StoreServer() {
   const char byte = 0;
   (void)!::write(impl_->wake[1], &byte, 1);
   impl_->thread.join();
+  // A connection still in the listen backlog gets a reset when the listener closes, and c10d's TCPStore client
+  // reads its callback connection on a thread of its own that lets a reset escape: its process would terminate
+  // instead of reporting the store gone. Taken and closed like the others, every connection sees an orderly end.
+  for (int fd; (fd = ::accept4(impl_->listener, nullptr, nullptr, SOCK_CLOEXEC)) >= 0;) ::close(fd);
   for (auto& [id, c] : impl_->connections) ::close(c.fd);
   ::close(impl_->listener);
   ::close(impl_->wake[0]);
