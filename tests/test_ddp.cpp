@@ -22,6 +22,13 @@ namespace {
 
 std::shared_ptr<gradsync::World> join() { return gradsync::init({std::chrono::seconds(60), std::nullopt, std::nullopt}); }
 
+// Runs the worker scenario `name` on n ranks, each given at most 60 s.
+std::vector<t::ProcessResult> run_worker(int n, const std::string& name, const std::vector<std::string>& args = {}) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  return t::run_ranks(n, t::worker_argv(name, args), opts);
+}
+
 nn::Sequential make_mlp(uint64_t seed) {
   torch::manual_seed(seed);
   return nn::Sequential(nn::Linear(6, 16), nn::ReLU(), nn::Linear(16, 8), nn::ReLU(), nn::Linear(8, 3));
@@ -150,10 +157,8 @@ GRADSYNC_WORKER(ddp_sum_vs_mean) {
 }
 
 TEST(Ddp, MeanAndSumAreToldApart) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
   for (const char* reduction : {"mean", "sum"}) {
-    auto results = t::run_ranks(3, t::worker_argv("ddp_sum_vs_mean", {reduction}), opts);
+    auto results = run_worker(3, "ddp_sum_vs_mean", {reduction});
     for (const auto& r : results) ASSERT_TRUE(r.ok()) << reduction << ": " << r.describe();
   }
 }
@@ -225,16 +230,12 @@ GRADSYNC_WORKER(ddp_unused_after_no_sync) {
 }
 
 TEST(Ddp, AGradientAccumulatedUnderNoSyncIsReducedWhenTheSyncedStepLeavesItUnused) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(3, t::worker_argv("ddp_unused_after_no_sync"), opts);
+  auto results = run_worker(3, "ddp_unused_after_no_sync");
   for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
 }
 
 TEST(Ddp, UnusedParameterWithoutFindUnusedFailsNamingItInsteadOfHanging) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(2, t::worker_argv("ddp_unused", {"0", "none"}), opts);
+  auto results = run_worker(2, "ddp_unused", {"0", "none"});
   for (const auto& r : results) {
     EXPECT_FALSE(r.ok());
     EXPECT_FALSE(r.timed_out);
@@ -244,10 +245,8 @@ TEST(Ddp, UnusedParameterWithoutFindUnusedFailsNamingItInsteadOfHanging) {
 }
 
 TEST(Ddp, UnusedParametersWithFindUnused) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
   for (const char* who : {"none", "odd"}) {
-    auto results = t::run_ranks(3, t::worker_argv("ddp_unused", {"1", who}), opts);
+    auto results = run_worker(3, "ddp_unused", {"1", who});
     for (const auto& r : results) ASSERT_TRUE(r.ok()) << who << ": " << r.describe();
   }
 }
@@ -263,9 +262,7 @@ GRADSYNC_WORKER(ddp_mismatch) {
 }
 
 TEST(Ddp, ModelMismatchFailsOnEveryRankNamingParameterAndRanks) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(3, t::worker_argv("ddp_mismatch"), opts);
+  auto results = run_worker(3, "ddp_mismatch");
   for (const auto& r : results) {
     EXPECT_FALSE(r.ok());
     EXPECT_FALSE(r.timed_out);
@@ -329,9 +326,7 @@ GRADSYNC_WORKER(ddp_buffers) {
 }
 
 TEST(Ddp, ParametersAndBuffersFollowRankZero) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(3, t::worker_argv("ddp_buffers"), opts);
+  auto results = run_worker(3, "ddp_buffers");
   for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
 }
 
@@ -363,9 +358,7 @@ GRADSYNC_WORKER(ddp_overlap) {
 }
 
 TEST(Ddp, EarlyBucketAllreduceStartsBeforeBackwardEnds) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(2, t::worker_argv("ddp_overlap"), opts);
+  auto results = run_worker(2, "ddp_overlap");
   for (const auto& r : results) {
     ASSERT_TRUE(r.ok()) << r.describe();
     std::cout << r.out;
@@ -399,10 +392,8 @@ GRADSYNC_WORKER(ddp_zero_grad_releases) {
 
 // Runs a worker that takes bucket_view (0|1) on 2 ranks, without and with bucket views.
 static void expect_ok_without_and_with_bucket_views(const char* worker) {
-  t::CommandOptions opts;
-  opts.timeout = std::chrono::seconds(60);
   for (const char* view : {"0", "1"}) {
-    auto results = t::run_ranks(2, t::worker_argv(worker, {view}), opts);
+    auto results = run_worker(2, worker, {view});
     for (const auto& r : results) ASSERT_TRUE(r.ok()) << "bucket view " << view << ": " << r.describe();
   }
 }
