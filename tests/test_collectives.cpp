@@ -80,9 +80,66 @@ TEST_P(Collectives, SumMeanBroadcastGatherScatterAreExact) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, testing::Values(1, 2, 3, 4));
 
+// Large buffers, random values: every rank draws every rank's input from the same seeds, so it knows the sum
+// exactly as one process computes it (x_0 + x_1 + ...: at two ranks the only order there is). Odd lengths leave
+// the two halves and the last segments unequal; two allreduces in flight at once must not mix their messages.
+GRADSYNC_WORKER(large_allreduce) {
+  auto world = gradsync::init({std::chrono::seconds(30), std::nullopt, std::nullopt});
+  auto& comm = world->comm();
+  const int n = world->size();
+  auto inputs = [&](int64_t numel, torch::Dtype dtype, uint64_t seed) {
+    std::vector<torch::Tensor> all;
+    for (int q = 0; q < n; ++q) {
+      torch::manual_seed(seed + static_cast<uint64_t>(q));
+      all.push_back(torch::randn({numel}, torch::TensorOptions().dtype(dtype)));
+    }
+    return all;
+  };
+  auto exact_sum = [](const std::vector<torch::Tensor>& all) {
+    auto s = all[0].clone();
+    for (size_t q = 1; q < all.size(); ++q) s.add_(all[q]);
+    return s;
+  };
+  const auto floats = inputs(3'000'001, torch::kFloat, 100);  // 12 MB: several segments per half
+  const auto doubles = inputs(600'001, torch::kDouble, 200);  // 4.8 MB
+  const auto small = inputs(1000, torch::kFloat, 300);        // far below any pipelining
+  auto a = floats[static_cast<size_t>(world->rank())].clone();
+  auto b = doubles[static_cast<size_t>(world->rank())].clone();
+  auto c = small[static_cast<size_t>(world->rank())].clone();
+  auto wa = comm.allreduce_sum_async(a);
+  auto wb = comm.allreduce_sum_async(b);
+  auto wc = comm.allreduce_sum_async(c);
+  wa.wait();
+  wb.wait();
+  wc.wait();
+  if (n == 2) {  // bit for bit; at more ranks the ring adds in its own order
+    WORKER_CHECK(torch::equal(a, exact_sum(floats)), "float sum differs by {}",
+                 (a - exact_sum(floats)).abs().max().item<double>());
+    WORKER_CHECK(torch::equal(b, exact_sum(doubles)), "double sum differs");
+    WORKER_CHECK(torch::equal(c, exact_sum(small)), "small sum differs");
+  } else {
+    WORKER_CHECK(torch::allclose(a, exact_sum(floats), 1e-5, 1e-5), "float sum differs");
+    WORKER_CHECK(torch::allclose(b, exact_sum(doubles), 1e-12, 1e-12), "double sum differs");
+  }
+  fmt::print("large allreduce ok on rank {} of {}\n", world->rank(), n);
+  return 0;
+}
+
+TEST_P(Collectives, LargeAllreducesInFlightTogetherSumExactly) {
+  const int n = GetParam();  // a world of one leaves every value as it was
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(90);
+  auto results = t::run_ranks(n, t::worker_argv("large_allreduce"), opts);
+  for (const auto& r : results) {
+    ASSERT_TRUE(r.ok()) << r.describe();
+    EXPECT_NE(r.out.find("large allreduce ok"), std::string::npos);
+  }
+}
+
+// args: the element count (10 by default; 4 Mi elements take the two-rank allreduce on Gloo).
 GRADSYNC_WORKER(dies_mid_allreduce) {
   auto world = gradsync::init({std::chrono::seconds(20), std::nullopt, std::nullopt});
-  auto a = torch::ones({10});
+  auto a = torch::ones({args.empty() ? int64_t{10} : std::stoll(args[0])});
   world->comm().allreduce(a, Reduction::Sum);
   if (world->rank() == 1) std::_Exit(7);
   const auto start = std::chrono::steady_clock::now();
@@ -96,18 +153,31 @@ GRADSYNC_WORKER(dies_mid_allreduce) {
   return 0;
 }
 
-TEST(Collectives, PeerExitFailsSurvivorsFastNamingTheirRankAndOperation) {
+namespace {
+
+// The survivors of a rank that exits between two allreduces fail at once, naming themselves and the operation.
+void expect_survivors_fail_fast(int world_size, const std::vector<std::string>& args) {
   t::CommandOptions opts;
   opts.timeout = std::chrono::seconds(60);
-  auto results = t::run_ranks(3, t::worker_argv("dies_mid_allreduce"), opts);
+  auto results = t::run_ranks(world_size, t::worker_argv("dies_mid_allreduce", args), opts);
   EXPECT_EQ(results[1].exit_code, 7);
-  for (int r : {0, 2}) {
+  for (int r = 0; r < world_size; ++r) {
+    if (r == 1) continue;
     const auto& res = results[static_cast<size_t>(r)];
     EXPECT_FALSE(res.ok());
     EXPECT_FALSE(res.timed_out) << res.describe();
-    EXPECT_NE(res.err.find(fmt::format("rank {} of 3: allreduce #2", r)), std::string::npos) << res.describe();
+    EXPECT_NE(res.err.find(fmt::format("rank {} of {}: allreduce #2", r, world_size)), std::string::npos)
+        << res.describe();
     auto at = res.err.find("failed after ");
     ASSERT_NE(at, std::string::npos) << res.describe();
     EXPECT_LT(std::stod(res.err.substr(at + 13)), 2.0);  // a dead peer is noticed at once, not at the 20 s timeout
   }
+}
+
+}  // namespace
+
+TEST(Collectives, PeerExitFailsSurvivorsFastNamingTheirRankAndOperation) { expect_survivors_fail_fast(3, {}); }
+
+TEST(Collectives, PeerExitFailsTheOtherRankFastInALargeTwoRankAllreduce) {
+  expect_survivors_fail_fast(2, {std::to_string(4 << 20)});
 }

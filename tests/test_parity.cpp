@@ -132,3 +132,17 @@ TEST(Parity, SumReductionDiffersFromPyTorchDdp) {
     EXPECT_TRUE(verdict.ok()) << verdict.describe();
   }
 }
+
+// Buckets of megabytes take Gloo's two-rank allreduce (src/runtime/gloo_group.cpp) instead of the ring; at two ranks
+// either gives every element the sum of the same two values, so the parameters match PyTorch DDP's bit for bit.
+// mlp:16-1200-1200-4's first bucket is 5.8 MB (several segments per rank), its second one 82 KB (the ring).
+TEST(Parity, TwoRankBucketsOfMegabytesAreBitIdenticalToPyTorchDdp) {
+  ParityCase c{"N2_megabyte_buckets", "mlp:16-1200-1200-4", "ce", 64, 2, 1, 16, {"--momentum", "0.9", "--steps", "4"}};
+  const std::string dir = t::make_temp_dir("gradsync-parity");
+  auto verdicts = run_case(c, dir, {}, false);
+  for (size_t v = 0; v < kBackends.size(); ++v) {
+    ASSERT_TRUE(verdicts[v].ok()) << kBackends[v] << ": " << verdicts[v].describe();
+    auto verdict = nlohmann::json::parse(verdicts[v].out.substr(verdicts[v].out.rfind('{')));
+    EXPECT_EQ(verdict["max_rel"].get<double>(), 0.0) << kBackends[v] << ": " << verdicts[v].out;
+  }
+}

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "gradsync/error.h"
+#include "runtime/gloo_group.h"
 #include "runtime/transport.h"
 
 namespace gradsync {
@@ -65,12 +66,11 @@ class GlooWorks : public TransportWork {
 
 class GlooTransport : public Transport {
  public:
-  GlooTransport(c10::intrusive_ptr<c10d::ProcessGroupGloo> group, int size) : group_(std::move(group)), size_(size) {}
+  GlooTransport(c10::intrusive_ptr<GlooGroup> group, int size) : group_(std::move(group)), size_(size) {}
   Backend backend() const override { return Backend::Gloo; }
 
   std::shared_ptr<TransportWork> allreduce_sum(torch::Tensor tensor) override {
-    std::vector<at::Tensor> list{tensor};
-    return std::make_shared<GlooWork>(group_->allreduce(list, c10d::AllreduceOptions{}));
+    return std::make_shared<GlooWork>(group_->allreduce_sum(std::move(tensor)));
   }
 
   std::shared_ptr<TransportWork> broadcast(torch::Tensor tensor, int root) override {
@@ -130,7 +130,7 @@ class GlooTransport : public Transport {
     return std::make_shared<GlooWorks>(std::move(works));
   }
 
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> group_;
+  c10::intrusive_ptr<GlooGroup> group_;
   int size_;
 };
 
@@ -142,7 +142,7 @@ std::shared_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::St
   options->devices.push_back(gloo_device(env));
   auto pg_store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("gradsync/{}/pg", env.restart_count), store);
   try {
-    auto group = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, env.rank, env.world_size, options);
+    auto group = c10::make_intrusive<GlooGroup>(pg_store, env.rank, env.world_size, options);
     return std::make_shared<GlooTransport>(std::move(group), env.world_size);
   } catch (const std::exception& e) {
     throw DistributedError(fmt::format("rank {} of {}: cannot connect the Gloo process group: {}", env.rank,
