@@ -131,6 +131,13 @@ gradsync::FsdpOptions fsdp(gradsync::ShardingStrategy strategy) {
   return gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::children());
 }
 
+// "fsdp-full", "fsdp-grad-op" or "fsdp-no-shard", with or without a suffix ("+uneven").
+gradsync::ShardingStrategy fsdp_strategy(const std::string& kind) {
+  if (kind.rfind("fsdp-full", 0) == 0) return gradsync::ShardingStrategy::FullShard;
+  if (kind.rfind("fsdp-grad-op", 0) == 0) return gradsync::ShardingStrategy::ShardGradOp;
+  return gradsync::ShardingStrategy::NoShard;
+}
+
 }  // namespace
 
 // args: an engine name, optionally "+early" (see joiner())
@@ -171,10 +178,7 @@ GRADSYNC_WORKER(engine_loop) {
     traffic = engine.traffic();
     check_load(engine, r, false);
   } else {
-    const auto strategy = kind == "fsdp-full"      ? gradsync::ShardingStrategy::FullShard
-                          : kind == "fsdp-grad-op" ? gradsync::ShardingStrategy::ShardGradOp
-                                                   : gradsync::ShardingStrategy::NoShard;
-    gradsync::FullyShardedDataParallel engine(model, world, fsdp(strategy));
+    gradsync::FullyShardedDataParallel engine(model, world, fsdp(fsdp_strategy(kind)));
     got = train(engine, by_rank[static_cast<size_t>(r)]);
     traffic = engine.traffic();
     check_load(engine, r, false);
@@ -252,4 +256,70 @@ INSTANTIATE_TEST_SUITE_P(Engines, EngineLoop,
                            std::string name = std::get<0>(info.param);
                            for (auto& ch : name) ch = ch == '-' ? '_' : ch;
                            return fmt::format("{}_N{}", name, std::get<1>(info.param));
+                         });
+
+// An evaluation between a forward and its backward (a forward under NoGradGuard, on other inputs) builds no graph:
+// the backward that follows is the first forward's, synchronised as that forward decided, as in PyTorch DDP. The
+// step must end where one process on the global batch ends. FSDP: with a root unit (parameters outside any unit,
+// which no hook of the backward gathers) and with a unit per layer, in each strategy. args: an engine name.
+GRADSYNC_WORKER(evaluation_between) {
+  auto world = sh::join();
+  const int n = world->size(), r = world->rank();
+  const std::string kind = args.at(0);
+  auto [x, y] = sh::global_batch(0, n * kMicroBatch, sh::input_width(kWidths), sh::output_width(kWidths));
+  std::vector<std::vector<Step>> by_rank;
+  for (int q = 0; q < n; ++q) {
+    by_rank.push_back({Step{{x.narrow(0, q * kMicroBatch, kMicroBatch), y.narrow(0, q * kMicroBatch, kMicroBatch)}}});
+  }
+  const auto& mine = by_rank[static_cast<size_t>(r)][0][0];
+  auto step = [&](auto& engine) {
+    torch::optim::SGD optimizer(engine.parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto loss = F::cross_entropy(engine.forward(mine.x), mine.y);
+    {
+      torch::NoGradGuard no_grad;
+      engine.forward(mine.x * 3 + r);  // a metric on other inputs, different on every rank
+    }
+    loss.backward();
+    engine.clip_grad_norm(kMaxNorm);
+    optimizer.step();
+    return engine.state_dict();
+  };
+  auto model = sh::make_mlp(kWidths, false, 0);
+  gradsync::StateDict got;
+  if (kind == "ddp") {
+    gradsync::DistributedDataParallel engine(model, world);
+    got = step(engine);
+  } else if (kind == "zero1") {
+    gradsync::Zero1DataParallel engine(model, world);
+    got = step(engine);
+  } else {
+    const auto strategy = fsdp_strategy(kind);
+    const bool with_root = kind.find("+root") != std::string::npos;  // unit "2" and the root holding the rest
+    auto options = with_root ? gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::list({"2"}))
+                             : fsdp(strategy);
+    gradsync::FullyShardedDataParallel engine(model, world, options);
+    got = step(engine);
+  }
+  const double d = sh::max_relative_difference(got, reference(n, by_rank));
+  WORKER_CHECK(d <= 1e-5, "{} (rank {}): an evaluation between forward and backward, then differs from one process "
+               "on the global batch by {}", kind, r, d);
+  return 0;
+}
+
+class EvaluationBetween : public testing::TestWithParam<const char*> {};
+
+TEST_P(EvaluationBetween, LeavesTheBackwardSynchronisedAsItsForwardDecided) {
+  t::CommandOptions options;
+  options.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(2, t::worker_argv("evaluation_between", {GetParam()}), options);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(Engines, EvaluationBetween,
+                         testing::Values("ddp", "zero1", "fsdp-full", "fsdp-full+root", "fsdp-grad-op+root",
+                                         "fsdp-no-shard"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (auto& ch : name) ch = std::isalnum(static_cast<unsigned char>(ch)) ? ch : '_';
+                           return name;
                          });

@@ -18,8 +18,9 @@
 // The rules every engine follows (see docs/semantics.md):
 //  - when backward() returns after a synchronised forward, the gradient of parameters() is reduced over ranks as
 //    the engine's Reduction says (Mean: 1/N then SUM, see Note [Where the division happens]);
-//  - a forward inside no_sync() (or with grad disabled) makes the coming backward accumulate locally; the next
-//    synchronised backward reduces the sum;
+//  - a forward inside no_sync() makes the coming backward accumulate locally; the next synchronised backward
+//    reduces the sum. A forward with grad disabled builds no graph and decides nothing (the coming backward is an
+//    earlier forward's, synchronised as that one decided, as in PyTorch DDP);
 //  - rank 0's buffers are broadcast before a forward that follows a synchronised one (PyTorch DDP's rule);
 //  - accumulate() divides each micro-batch loss by K because .grad sums; nothing divides by K anywhere else;
 //  - a rank with no micro-batch in a step calls accumulate(engine, 0, ...): it joins the step's collectives with

@@ -295,14 +295,14 @@ void Reducer::after_forward() {
   std::lock_guard<std::mutex> lock(mutex);
   // Mirrors PyTorch: the sync decision is taken at forward time, and a forward that will not sync (no_sync or
   // no grad mode) also skips the buffer broadcast before the next forward.
-  const bool sync = torch::GradMode::is_enabled() && require_backward_sync;
+  const bool grad = torch::GradMode::is_enabled();
+  const bool sync = grad && require_backward_sync;
   buffers.after_forward(sync);
-  if (sync && !callback_queued) {
-    reset();
-    expect_hooks = true;
-  } else if (!sync && !callback_queued) {
-    expect_hooks = false;
-  }
+  // A forward without grad (an evaluation between a forward and its backward) builds no graph: the coming backward
+  // keeps the decision of the forward that built its graph, as in PyTorch, whose reducer such a forward never arms.
+  if (!grad || callback_queued) return;
+  if (sync) reset();
+  expect_hooks = sync;
 }
 
 void Reducer::join_backward() {

@@ -69,13 +69,23 @@ void ShardedUnits::prefetch_backward() {
   }
 }
 
+// Note [A forward without grad before a backward]
+// An evaluation may run between a forward and its backward (a metric on the batch, under NoGradGuard). It builds no
+// graph, so the backward that comes is the earlier forward's: that forward's units, events and sync decision stay,
+// as PyTorch's reducer keeps them. It gathers what it runs as any forward does, and leaves the root gathered at its
+// end, which no hook of the backward would gather again; the backward gathers each unit again as it reaches it.
+// Its gathers are recorded after the forward's, so a shadow micro-step issues both.
 void ShardedUnits::begin_forward() {
   if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kWho));
   in_forward = true;
-  events.clear();
-  forward_order.clear();
-  for (size_t u = 0; u < progress.size(); ++u) progress[u] = Progress{false, flats[u]->params().size(), false};
-  // Nothing is gathered here unless the last forward's backward never came (its root, its kept unit): their
+  between = backward_pending && !torch::GradMode::is_enabled();
+  if (!between) {
+    backward_pending = false;
+    events.clear();
+    forward_order.clear();
+    for (size_t u = 0; u < progress.size(); ++u) progress[u] = Progress{false, flats[u]->params().size(), false};
+  }
+  // Nothing is gathered here unless the last forward's backward has not come (its root, its kept unit): their
   // parameters may have changed since, so they are gathered again.
   free_all();
   buffers.before_forward(comm());
@@ -170,10 +180,15 @@ void ShardedUnits::end_forward() {
   const bool grad = torch::GradMode::is_enabled();
   // As DDP: whether the coming backward synchronises is decided now, and a forward that will not sync also skips
   // the buffer broadcast before the next forward.
-  backward_sync = grad && require_backward_sync;
-  buffers.after_forward(backward_sync);
-  if (root >= 0 && grad) progress[static_cast<size_t>(root)].needs_backward = true;
-  if (!grad) free_all();  // no backward will come to free them
+  buffers.after_forward(grad && require_backward_sync);
+  if (grad) {
+    backward_sync = require_backward_sync;
+    backward_pending = true;
+    if (root >= 0) progress[static_cast<size_t>(root)].needs_backward = true;
+  } else {
+    free_all(/*keep_root=*/between);  // no backward of this forward will come to free them
+  }
+  between = false;
   sample_memory();
 }
 
@@ -247,6 +262,7 @@ void ShardedUnits::finalize_backward() {
 }
 
 void ShardedUnits::end_synced_backward() {
+  backward_pending = false;
   free_all();
   if (backward_sync) {
     order->end_of_synced_backward(comm());
@@ -285,6 +301,7 @@ void ShardedUnits::join_backward() {
 
 void ShardedUnits::abort_forward() {
   in_forward = false;
+  backward_pending = between = false;
   for (auto& p : progress) p.needs_backward = false;
   free_all();  // what the aborted forward gathered
   sample_memory();
@@ -314,8 +331,10 @@ int64_t ShardedUnits::agree_micro_batches(int64_t micro_batches) {
 
 double ShardedUnits::grad_factor() const { return gradient_factor(options.reduction(), size(), global_items); }
 
-void ShardedUnits::free_all() {
-  for (auto& f : flats) f->free();
+void ShardedUnits::free_all(bool keep_root) {
+  for (size_t u = 0; u < flats.size(); ++u) {
+    if (!(keep_root && is_root(u))) flats[u]->free();
+  }
   kept_gathered.reset();
 }
 

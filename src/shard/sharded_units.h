@@ -64,6 +64,10 @@ class ShardedUnits {
   bool backward_sync = false;  // decided at forward time, used by the coming backward
   bool callback_queued = false;
   bool in_forward = false;
+  // A forward with grad has run and its backward has not (Note [A forward without grad before a backward]), and
+  // whether the running forward is one without grad in that gap.
+  bool backward_pending = false;
+  bool between = false;
   bool replaying = false;                           // a shadow micro-step: events are not recorded
   std::optional<size_t> running_unit;               // the unit whose forward is running (units do not nest)
   std::optional<int64_t> global_items;              // Reduction::GlobalMean: the step's items over all ranks
@@ -96,7 +100,7 @@ class ShardedUnits {
   // zero gradients (or what no_sync micro-steps accumulated).
   void join_forward();
   void join_backward();
-  void free_all();
+  void free_all(bool keep_root = false);
   void abort_forward();
   // The micro-steps every rank takes part in this step (the largest count); a rank with fewer runs shadow
   // micro-steps after its own. Every rank throws ConfigError, naming the ranks, where one has nothing to replay.

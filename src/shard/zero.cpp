@@ -152,8 +152,10 @@ void Zero1DataParallel::begin_forward() {
 
 void Zero1DataParallel::end_forward() {
   auto& s = *shard_;
-  s.backward_sync = torch::GradMode::is_enabled() && s.require_backward_sync;
-  s.buffers.after_forward(s.backward_sync);
+  const bool grad = torch::GradMode::is_enabled();
+  // A forward without grad builds no graph: the coming backward keeps its own forward's decision (as DDP).
+  if (grad) s.backward_sync = s.require_backward_sync;
+  s.buffers.after_forward(grad && s.require_backward_sync);
   s.sample_memory();
 }
 
