@@ -54,15 +54,16 @@ class PairAllreduce : public c10d::ProcessGroupGloo::AsyncWork {
     const int64_t n = tensor_.numel();
     const int64_t size = tensor_.element_size();
     const int64_t half = (n + 1) / 2;  // rank 0 owns [0, half), rank 1 [half, n)
+    const int64_t own_begin = me == 0 ? 0 : half;
+    const int64_t own_count = me == 0 ? half : n - half;
     const int64_t step = std::max<int64_t>(1, kSegmentBytes / size);
-    const auto mine = me == 0 ? segments(0, half, step) : segments(half, n - half, step);
-    const auto theirs = me == 0 ? segments(half, n - half, step) : segments(0, half, step);
+    const auto mine = segments(own_begin, own_count, step);
+    const auto theirs = segments(half - own_begin, n - own_count, step);  // the other half
     const uint64_t contributions = ::gloo::Slot::build(kSlotPrefix, tag_);
     const uint64_t sums = contributions + 1;
 
     char* data = static_cast<char*>(tensor_.data_ptr());
-    const int64_t own_begin = me == 0 ? 0 : half;
-    auto received = at::empty({std::max<int64_t>(me == 0 ? half : n - half, 1)}, tensor_.options());
+    auto received = at::empty({std::max<int64_t>(own_count, 1)}, tensor_.options());
     const char* got = static_cast<const char*>(received.data_ptr());
     auto buffer = context_->createUnboundBuffer(data, static_cast<size_t>(n * size));
     auto incoming = context_->createUnboundBuffer(received.data_ptr(), static_cast<size_t>(received.nbytes()));

@@ -9,15 +9,16 @@ class GlooGroup : public c10d::ProcessGroupGloo {
  public:
   using ProcessGroupGloo::ProcessGroupGloo;
 
-  // Whether allreduce_sum() takes the two-rank path for `tensor`: two ranks, float32 or float64, at least
-  // kPipelinedBytes. Otherwise it is c10d's allreduce (Gloo's ring).
-  bool pipelines(const at::Tensor& tensor) const;
-
   // In-place sum over the ranks, on the group's worker threads and Gloo context like every c10d collective.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor tensor);
 
   // Below this size the ring's fewer, larger messages cost less than the pipeline's segments.
   static constexpr int64_t kPipelinedBytes = 1 << 20;
+
+ private:
+  // Whether allreduce_sum() takes the two-rank path for `tensor`: two ranks, float32 or float64, at least
+  // kPipelinedBytes. Otherwise it is c10d's allreduce (Gloo's ring).
+  bool pipelines(const at::Tensor& tensor) const;
 };
 
 }  // namespace gradsync

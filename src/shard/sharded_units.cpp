@@ -78,7 +78,7 @@ void ShardedUnits::prefetch_backward() {
 void ShardedUnits::begin_forward() {
   if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kWho));
   in_forward = true;
-  between = backward_pending && !torch::GradMode::is_enabled();
+  const bool between = backward_pending && !torch::GradMode::is_enabled();
   if (!between) {
     backward_pending = false;
     events.clear();
@@ -186,9 +186,9 @@ void ShardedUnits::end_forward() {
     backward_pending = true;
     if (root >= 0) progress[static_cast<size_t>(root)].needs_backward = true;
   } else {
-    free_all(/*keep_root=*/between);  // no backward of this forward will come to free them
+    // No backward of this forward will come to free them; a pending one (this forward ran between) needs its root.
+    free_all(/*keep_root=*/backward_pending);
   }
-  between = false;
   sample_memory();
 }
 
@@ -301,7 +301,7 @@ void ShardedUnits::join_backward() {
 
 void ShardedUnits::abort_forward() {
   in_forward = false;
-  backward_pending = between = false;
+  backward_pending = false;
   for (auto& p : progress) p.needs_backward = false;
   free_all();  // what the aborted forward gathered
   sample_memory();

@@ -64,10 +64,8 @@ class ShardedUnits {
   bool backward_sync = false;  // decided at forward time, used by the coming backward
   bool callback_queued = false;
   bool in_forward = false;
-  // A forward with grad has run and its backward has not (Note [A forward without grad before a backward]), and
-  // whether the running forward is one without grad in that gap.
+  // A forward with grad has run and its backward has not (Note [A forward without grad before a backward]).
   bool backward_pending = false;
-  bool between = false;
   bool replaying = false;                           // a shadow micro-step: events are not recorded
   std::optional<size_t> running_unit;               // the unit whose forward is running (units do not nest)
   std::optional<int64_t> global_items;              // Reduction::GlobalMean: the step's items over all ranks
