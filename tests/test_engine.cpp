@@ -131,11 +131,30 @@ gradsync::FsdpOptions fsdp(gradsync::ShardingStrategy strategy) {
   return gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::children());
 }
 
-// "fsdp-full", "fsdp-grad-op" or "fsdp-no-shard", with or without a suffix ("+uneven").
-gradsync::ShardingStrategy fsdp_strategy(const std::string& kind) {
-  if (kind.rfind("fsdp-full", 0) == 0) return gradsync::ShardingStrategy::FullShard;
-  if (kind.rfind("fsdp-grad-op", 0) == 0) return gradsync::ShardingStrategy::ShardGradOp;
-  return gradsync::ShardingStrategy::NoShard;
+// "fsdp-full", "fsdp-grad-op" or "fsdp-no-shard": a unit per layer; with "+root", unit "2" and the root unit
+// holding the other layers.
+gradsync::FsdpOptions fsdp_options(const std::string& kind) {
+  const auto strategy = kind.rfind("fsdp-full", 0) == 0      ? gradsync::ShardingStrategy::FullShard
+                        : kind.rfind("fsdp-grad-op", 0) == 0 ? gradsync::ShardingStrategy::ShardGradOp
+                                                             : gradsync::ShardingStrategy::NoShard;
+  if (kind.find("+root") == std::string::npos) return fsdp(strategy);
+  return gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::list({"2"}));
+}
+
+// Builds the engine `kind` names ("ddp", "zero1" or fsdp_options()'s) over `model` and hands it to `fn`.
+template <typename Fn>
+void with_engine(const std::string& kind, torch::nn::Sequential model, std::shared_ptr<gradsync::World> world,
+                 Fn&& fn) {
+  if (kind == "ddp") {
+    gradsync::DistributedDataParallel engine(model, world);
+    fn(engine);
+  } else if (kind == "zero1") {
+    gradsync::Zero1DataParallel engine(model, world);
+    fn(engine);
+  } else {
+    gradsync::FullyShardedDataParallel engine(model, world, fsdp_options(kind));
+    fn(engine);
+  }
 }
 
 }  // namespace
@@ -167,22 +186,11 @@ GRADSYNC_WORKER(engine_loop) {
     WORKER_CHECK(d <= 1e-5, "local: differs from one process by {}", d);
     return 0;
   }
-  if (kind == "ddp") {
-    gradsync::DistributedDataParallel engine(model, world);
+  with_engine(kind, model, world, [&](auto& engine) {
     got = train(engine, by_rank[static_cast<size_t>(r)]);
     traffic = engine.traffic();
     check_load(engine, r, false);
-  } else if (kind == "zero1") {
-    gradsync::Zero1DataParallel engine(model, world);
-    got = train(engine, by_rank[static_cast<size_t>(r)]);
-    traffic = engine.traffic();
-    check_load(engine, r, false);
-  } else {
-    gradsync::FullyShardedDataParallel engine(model, world, fsdp(fsdp_strategy(kind)));
-    got = train(engine, by_rank[static_cast<size_t>(r)]);
-    traffic = engine.traffic();
-    check_load(engine, r, false);
-  }
+  });
   const double d = sh::max_relative_difference(got, reference(n, by_rank));
   WORKER_CHECK(d <= 1e-5, "{} on {} ranks (rank {}): differs from one process on the global batch by {}", kind, n, r,
                d);
@@ -284,22 +292,8 @@ GRADSYNC_WORKER(evaluation_between) {
     optimizer.step();
     return engine.state_dict();
   };
-  auto model = sh::make_mlp(kWidths, false, 0);
   gradsync::StateDict got;
-  if (kind == "ddp") {
-    gradsync::DistributedDataParallel engine(model, world);
-    got = step(engine);
-  } else if (kind == "zero1") {
-    gradsync::Zero1DataParallel engine(model, world);
-    got = step(engine);
-  } else {
-    const auto strategy = fsdp_strategy(kind);
-    const bool with_root = kind.find("+root") != std::string::npos;  // unit "2" and the root holding the rest
-    auto options = with_root ? gradsync::FsdpOptions().strategy(strategy).wrap(gradsync::WrapPolicy::list({"2"}))
-                             : fsdp(strategy);
-    gradsync::FullyShardedDataParallel engine(model, world, options);
-    got = step(engine);
-  }
+  with_engine(kind, sh::make_mlp(kWidths, false, 0), world, [&](auto& engine) { got = step(engine); });
   const double d = sh::max_relative_difference(got, reference(n, by_rank));
   WORKER_CHECK(d <= 1e-5, "{} (rank {}): an evaluation between forward and backward, then differs from one process "
                "on the global batch by {}", kind, r, d);
