@@ -274,19 +274,21 @@ struct Loop {
 
 StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
   const int rank = loop.world ? loop.world->rank() : 0;
-  const auto start = Clock::now();
   StepRecord record{step, epoch, 0, 0, 0};
   const int64_t written_before = loop.report ? loop.bytes_sent() : 0;
+  const auto start = Clock::now();
   inject_crash(loop.ctx, step);
+  RecordTotals totals;
   try {
-    loop.step_fn(loop.ctx, loop.schedule, s, record);
+    totals = loop.step_fn(loop.ctx, loop.schedule, s, record);
   } catch (const c10::Error& e) {
     degenerate_batch(e, rank, record, loop.micro_batch);
   }
   const bool verify = loop.c.verify_every > 0 && step % loop.c.verify_every == 0;
   if (verify) verify_gradient(loop.ctx, loop.schedule.step(rank, s), step);
-  loop.run.optimizer->step();
+  loop.run.optimizer->step();  // the loss allreduce is still in flight
   loop.run.engine->zero_grad();
+  totals.finish(record);
   if (verify && holds_replicas(loop.c.strategy)) verify_replicas(loop.ctx, step);
   record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (loop.report) {

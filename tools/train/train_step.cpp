@@ -43,12 +43,9 @@ int64_t count(const std::vector<torch::Tensor>& micro) {
 }
 
 // Mean over ranks of the step loss and total samples, in float64 (one 16-byte allreduce per step).
-void reduce_record(const StepContext& ctx, StepRecord& record) {
-  if (!ctx.world || ctx.world->size() == 1) return;
-  auto t = torch::tensor({record.loss, static_cast<double>(record.samples)}, torch::kDouble);
-  ctx.world->comm().allreduce(t, Reduction::Sum);
-  record.loss = t[0].item<double>() / ctx.world->size();
-  record.samples = static_cast<int64_t>(std::llround(t[1].item<double>()));
+RecordTotals reduce_record(const StepContext& ctx, const StepRecord& record) {
+  if (!ctx.world || ctx.world->size() == 1) return {};
+  return RecordTotals(ctx.world->comm(), record);
 }
 
 std::string encode(const std::vector<torch::Tensor>& micro) {
@@ -91,6 +88,19 @@ int fault_step(const std::string& spec, const std::string& kind) {
 
 }  // namespace
 
+RecordTotals::RecordTotals(Collectives& comm, const StepRecord& record)
+    : totals_(torch::tensor({record.loss, static_cast<double>(record.samples)}, torch::kDouble)),
+      work_(comm.allreduce_sum_async(totals_)),
+      ranks_(comm.size()) {}
+
+void RecordTotals::finish(StepRecord& record) {
+  if (!work_.valid()) return;
+  work_.wait();
+  work_ = PendingWork();
+  record.loss = totals_[0].item<double>() / ranks_;
+  record.samples = static_cast<int64_t>(std::llround(totals_[1].item<double>()));
+}
+
 void inject_crash(const StepContext& ctx, int64_t step) {
   const int always = fault_step(ctx.config.inject_fault, "crash-always");
   const int first_attempt = fault_step(ctx.config.inject_fault, "crash");
@@ -107,8 +117,9 @@ torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indi
 namespace {
 
 // The engine's step: K' micro-batches of this rank (possibly none: it then joins with zeros).
-void engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record) {
+RecordTotals engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record) {
   const auto group = static_cast<int64_t>(micro.size());
+  RecordTotals totals;  // global-mean's totals are reduced before its last micro-step, the others' after backward
   if (ctx.reduction == Reduction::GlobalMean) {
     // Per-sample mean loss x sample count = summed per-sample loss; the engine divides by the global count.
     auto result = accumulate_global_mean(*ctx.engine, group, [&](int64_t k) {
@@ -122,7 +133,7 @@ void engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro
     record.loss = accumulate(*ctx.engine, group,
                              [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
     record.samples = count(micro);
-    reduce_record(ctx, record);
+    totals = reduce_record(ctx, record);
   }
   const int corrupt_at = fault_step(ctx.config.inject_fault, "grad");
   auto first = ctx.engine->parameters().front();  // a handle: .grad is the parameter's (or shard's) own
@@ -130,20 +141,21 @@ void engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro
     torch::NoGradGuard no_grad;
     first.mutable_grad().mul_(1.5);  // a deliberately wrong gradient (tests only)
   }
+  return totals;
 }
 
 // One process, the micro-batches of every replayed rank -> .grad as the reduction defines it.
-void replay_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank, StepRecord& record) {
+RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank, StepRecord& record) {
   if (ctx.reduction == Reduction::GlobalMean) {
     // The definition itself: the mean loss over the whole global batch, in one forward.
     std::vector<torch::Tensor> all;
     for (const auto& micro : per_rank) all.insert(all.end(), micro.begin(), micro.end());
-    if (all.empty()) return;
+    if (all.empty()) return {};
     auto loss = micro_batch_loss(ctx, torch::cat(all));
     loss.backward();
     record.loss = loss.item<double>();
     record.samples = torch::cat(all).numel();
-    return;
+    return {};
   }
   const int ranks = static_cast<int>(per_rank.size());
   for (const auto& micro : per_rank) {
@@ -154,6 +166,7 @@ void replay_step(const StepContext& ctx, const std::vector<std::vector<torch::Te
       record.samples += idx.numel();
     }
   }
+  return {};
 }
 
 }  // namespace
@@ -165,11 +178,11 @@ StepFn choose_step(const TrainConfig& c, int rank) {
     return [replayed](const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord& record) {
       std::vector<std::vector<torch::Tensor>> all;
       for (int r = 0; r < replayed; ++r) all.push_back(schedule.step(r, s));
-      replay_step(ctx, all, record);
+      return replay_step(ctx, all, record);
     };
   }
   return [rank](const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord& record) {
-    engine_step(ctx, schedule.step(rank, s), record);
+    return engine_step(ctx, schedule.step(rank, s), record);
   };
 }
 
