@@ -145,7 +145,8 @@ RecordTotals engine_step(const StepContext& ctx, const std::vector<torch::Tensor
 }
 
 // One process, the micro-batches of every replayed rank -> .grad as the reduction defines it.
-RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank, StepRecord& record) {
+RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<torch::Tensor>>& per_rank,
+                         StepRecord& record) {
   if (ctx.reduction == Reduction::GlobalMean) {
     // The definition itself: the mean loss over the whole global batch, in one forward.
     std::vector<torch::Tensor> all;
