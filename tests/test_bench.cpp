@@ -46,6 +46,10 @@ TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
     const double ratio = j.at("ratio");
     EXPECT_DOUBLE_EQ(ratio, j["gradsync"]["step_seconds"]["median"].get<double>() /
                                 j["pytorch"]["step_seconds"]["median"].get<double>());
+    for (size_t i = 0; i < 2; ++i) {  // pair i: gradsync's run i over PyTorch's run i
+      EXPECT_DOUBLE_EQ(j.at("run_ratios").at(i).get<double>(), j["gradsync"]["run_medians"][i].get<double>() /
+                                                                   j["pytorch"]["run_medians"][i].get<double>());
+    }
     // Both DDPs allreduce every gradient once: (32*64+64+64*10+10) floats. Gloo's bytes are socket writes.
     const double gradient_bytes = 4.0 * (32 * 64 + 64 + 64 * 10 + 10);
     EXPECT_GE(j["gradsync"]["bytes_sent_per_step"].get<double>(), gradient_bytes * 0.99) << backend;

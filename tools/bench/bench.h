@@ -26,9 +26,9 @@ struct BenchConfig {
   std::string wrap;            // fsdp-*, zero1: train's --wrap ("" = train's default units)
   std::string backend = "gloo";
   int threads = 1;             // OMP_NUM_THREADS / torch.set_num_threads per rank, on both sides
-  int64_t steps = 20;          // measured steps per run
+  int64_t steps = 30;          // measured steps per run
   int64_t warmup = 5;          // steps before them, not measured
-  int repeats = 3;             // runs per side, interleaved: gradsync, PyTorch, gradsync, ...
+  int repeats = 5;             // runs per side, interleaved: gradsync, PyTorch, gradsync, ...
   bool compare_pytorch = false;
   bool json = false;
   std::string plot;            // PNG path, "" = none
@@ -46,7 +46,7 @@ struct StepStats {
 // Validates (ConfigError naming the flag), runs the interleaved jobs, prints a table or JSON; returns the exit code.
 int run_step_bench(const BenchConfig& config);
 
-// The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio"}.
+// The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio", "run_ratios"}.
 nlohmann::json side_json(const StepStats& stats, const BenchConfig& config);
 
 // Writes `png` from the step times of both sides (pytorch may be empty). Returns "" or why it could not.

@@ -62,9 +62,9 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--wrap", c->wrap, "fsdp-*, zero1: units, as train's --wrap (default: train's)");
   add_backend_flag(cmd, c->backend);
   cmd->add_option("--threads", c->threads, "threads per rank on both sides (default 1)")->check(CLI::Range(1, 1024));
-  cmd->add_option("--steps", c->steps, "measured steps per run (default 20)")->check(CLI::Range(1, 1000000));
+  cmd->add_option("--steps", c->steps, "measured steps per run (default 30)")->check(CLI::Range(1, 1000000));
   cmd->add_option("--warmup", c->warmup, "unmeasured steps first (default 5)")->check(CLI::Range(0, 1000000));
-  cmd->add_option("--repeats", c->repeats, "runs per side, interleaved (default 3)")->check(CLI::Range(1, 1000));
+  cmd->add_option("--repeats", c->repeats, "runs per side, interleaved (default 5)")->check(CLI::Range(1, 1000));
   cmd->add_flag("--compare-pytorch", c->compare_pytorch,
                 "also run python3-torch's DDP (Gloo) on the same model, batch, threads and world size");
   cmd->add_flag("--json", c->json, "print one JSON document instead of the table");

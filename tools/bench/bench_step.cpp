@@ -1,7 +1,8 @@
 // `gradsync bench` (see bench.h): gradsync's step against PyTorch's on the same model, batch, threads and world
 // size. Each run is a fresh job: gradsync's is `gradsync train` with --log (its per-step seconds, bytes sent and
 // peak memory), PyTorch's is pytorch_ddp_program() under `gradsync launch` (torchrun's environment). Runs alternate
-// so that both sides see the same drift of this machine; the ratio is of the pooled medians.
+// so that both sides see the same drift of this machine; the ratio is of the pooled medians, and run_ratios, of
+// each gradsync run to the PyTorch run right after it, show how far one pair of runs can stray from it.
 #include <algorithm>
 #include <fstream>
 
@@ -109,6 +110,15 @@ void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& s
   stats.step_seconds.insert(stats.step_seconds.end(), mine.begin(), mine.end());
 }
 
+// Run i's median of gradsync over run i's of PyTorch: neighbours in time, so the machine's drift mostly cancels.
+std::vector<double> run_ratios(const StepStats& mine, const StepStats& theirs) {
+  std::vector<double> out;
+  for (size_t i = 0; i < std::min(mine.run_medians.size(), theirs.run_medians.size()); ++i) {
+    out.push_back(mine.run_medians[i] / theirs.run_medians[i]);
+  }
+  return out;
+}
+
 void print_table(const BenchConfig& c, const StepStats& g, const StepStats& p) {
   fmt::print("gradsync bench: {} x{} ranks, {} per rank, {} thread(s), strategy {}, backend {}; {} runs x {} steps "
              "(+{} warm-up)\n", c.model, ranks_of(c), c.per_rank_batch, c.threads, c.strategy, c.backend, c.repeats,
@@ -125,7 +135,10 @@ void print_table(const BenchConfig& c, const StepStats& g, const StepStats& p) {
   row("gradsync", g);
   if (p.step_seconds.empty()) return;
   row("pytorch", p);
-  fmt::print("  ratio gradsync/pytorch (median step time): {:.3f}\n", median(g.step_seconds) / median(p.step_seconds));
+  const auto pairs = run_ratios(g, p);
+  const auto [lo, hi] = std::minmax_element(pairs.begin(), pairs.end());
+  fmt::print("  ratio gradsync/pytorch (median step time): {:.3f} (run by run: {:.3f}-{:.3f})\n",
+             median(g.step_seconds) / median(p.step_seconds), *lo, *hi);
 }
 
 }  // namespace
@@ -165,6 +178,7 @@ int run_step_bench(const BenchConfig& c) {
     out["pytorch"] = side_json(theirs, c);
     out["pytorch"]["backend"] = "gloo";
     out["ratio"] = median(mine.step_seconds) / median(theirs.step_seconds);
+    out["run_ratios"] = run_ratios(mine, theirs);
   }
   fmt::print("{}\n", out.dump(2));
   return 0;
