@@ -44,7 +44,7 @@ t::CommandOptions options() {
 const std::vector<std::string> kBackends{"gloo", "mpi"};
 
 // Runs PyTorch once and gradsync on every backend (DIR/gradsync-<backend>.pt/.jsonl); returns compare_states.py's
-// result per backend (its last line is a JSON verdict).
+// result per backend (its last line is a JSON verdict), all compared in one process.
 std::vector<t::ProcessResult> run_case(const ParityCase& c, const std::string& dir,
                                        const std::vector<std::string>& cpp_extra, bool expect_different) {
   auto made = parity::make_case(c, "7", dir, options());
@@ -57,7 +57,7 @@ std::vector<t::ProcessResult> run_case(const ParityCase& c, const std::string& d
   auto theirs = t::run(py, options());
   EXPECT_TRUE(theirs.ok()) << theirs.describe();
 
-  std::vector<t::ProcessResult> verdicts;
+  std::vector<parity::Comparison> comparisons;
   for (const auto& backend : kBackends) {
     std::vector<std::string> cpp{GRADSYNC_BIN, "train", "--backend", backend};
     auto flags = parity::train_flags(c, dir, "gradsync-" + backend, c.extra);
@@ -66,12 +66,10 @@ std::vector<t::ProcessResult> run_case(const ParityCase& c, const std::string& d
     auto ours = t::run(cpp, options());
     EXPECT_TRUE(ours.ok()) << backend << ": " << ours.describe();
 
-    std::vector<std::string> compare{kPython, kReference + "/compare_states.py", dir + "/gradsync-" + backend + ".pt",
-                                     dir + "/pytorch.pt", "--rtol", "1e-5"};
-    if (expect_different) compare.push_back("--expect-different");
-    verdicts.push_back(t::run(compare, options()));
+    comparisons.push_back({"states", {dir + "/gradsync-" + backend + ".pt", dir + "/pytorch.pt", "--rtol", "1e-5"}});
+    if (expect_different) comparisons.back().args.push_back("--expect-different");
   }
-  return verdicts;
+  return parity::compare_all(comparisons, dir, options());
 }
 
 }  // namespace

@@ -2,7 +2,7 @@
 // fsdp-no-shard|zero1` and tests/reference/torch_train.py --strategy ddp (python3-torch, gloo, DistributedDataParallel)
 // start from the same initial state and data file; every strategy must end with the same parameters (<= 1e-5
 // relative per tensor, compare_states.py), the same per-step losses and the same optimizer state keyed by parameter
-// names (compare_optim_states.py). The reference runs once per configuration.
+// names (compare_optim_states.py). The reference runs once per configuration, the comparisons in one process.
 // Sharded strategies sum in another order than PyTorch's allreduce, so equality is within rounding, not bitwise.
 #include <fstream>
 
@@ -49,9 +49,11 @@ std::string tag_of(const std::vector<std::string>& strategy) {
   return tag;
 }
 
-// gradsync with one strategy on one backend against the PyTorch run in `dir`.
+// gradsync with one strategy on one backend against the PyTorch run in `dir`: its losses here, its states by the
+// two comparisons it appends to `checks` (run for every strategy at once, after the last).
 void check_strategy(const ShardedParityCase& c, const std::string& dir, const std::vector<std::string>& strategy,
-                    const std::string& backend, const std::vector<nlohmann::json>& reference_log) {
+                    const std::string& backend, const std::vector<nlohmann::json>& reference_log,
+                    std::vector<std::pair<std::string, parity::Comparison>>& checks) {
   const auto tag = tag_of(strategy) + "_" + backend;
   std::vector<std::string> cpp{GRADSYNC_BIN, "train", "--backend", backend};
   auto flags = parity::train_flags(c, dir, tag, c.flags);
@@ -62,14 +64,10 @@ void check_strategy(const ShardedParityCase& c, const std::string& dir, const st
   ASSERT_TRUE(ours.ok()) << tag << ": " << ours.describe();
   EXPECT_NE(ours.out.find("memory per rank"), std::string::npos) << ours.out;
 
-  auto verdict = t::run({kPython, kReference + "/compare_states.py", dir + "/" + tag + ".pt", dir + "/pytorch.pt",
-                         "--rtol", "1e-5"}, options());
-  EXPECT_TRUE(verdict.ok()) << tag << ": " << verdict.describe();
-  std::cout << c.name << " " << tag << ": " << verdict.out.substr(verdict.out.rfind('{'));
+  checks.push_back({tag, {"states", {dir + "/" + tag + ".pt", dir + "/pytorch.pt", "--rtol", "1e-5"}}});
   // The optimizer's state, gathered and keyed by parameter names, is PyTorch's (FSDP.full_optim_state_dict's layout).
-  auto optim = t::run({kPython, kReference + "/compare_optim_states.py", dir + "/" + tag + ".optim.pt",
-                       dir + "/pytorch.optim.pt", "--rtol", "1e-5"}, options());
-  EXPECT_TRUE(optim.ok()) << tag << ": " << optim.describe();
+  checks.push_back({tag + " optimizer", {"optim", {dir + "/" + tag + ".optim.pt", dir + "/pytorch.optim.pt",
+                                                   "--rtol", "1e-5"}}});
 
   auto log = read_log(dir + "/" + tag + ".jsonl");
   ASSERT_EQ(log.size(), reference_log.size()) << tag;
@@ -100,10 +98,18 @@ TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
   const auto reference_log = read_log(dir + "/pytorch.jsonl");
   ASSERT_GT(reference_log.size(), 0u);
 
+  std::vector<std::pair<std::string, parity::Comparison>> checks;  // (what, check)
   for (const auto& strategy : c.strategies) {
     for (const char* backend : {"gloo", "mpi"}) {
-      check_strategy(c, dir, strategy, backend, reference_log);
+      check_strategy(c, dir, strategy, backend, reference_log, checks);
     }
+  }
+  std::vector<parity::Comparison> comparisons;
+  for (const auto& check : checks) comparisons.push_back(check.second);
+  const auto verdicts = parity::compare_all(comparisons, dir, options());
+  for (size_t i = 0; i < checks.size(); ++i) {
+    EXPECT_TRUE(verdicts[i].ok()) << checks[i].first << ": " << verdicts[i].describe();
+    if (verdicts[i].ok()) std::cout << c.name << " " << checks[i].first << ": " << verdicts[i].out;
   }
 }
 

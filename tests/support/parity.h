@@ -1,7 +1,9 @@
 // defines: what the parity tests with real PyTorch share (test_parity.cpp, test_sharded_parity.cpp): where the
-// reference scripts are, the case files both sides start from, the flags both sides take, and their JSONL logs.
+// reference scripts are, the case files both sides start from, the flags both sides take, their JSONL logs, and the
+// comparisons of their results.
 #pragma once
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -40,6 +42,38 @@ inline std::vector<nlohmann::json> read_log(const std::string& path) {
   std::vector<nlohmann::json> lines;
   for (std::string line; std::getline(in, line);) lines.push_back(nlohmann::json::parse(line));
   return lines;
+}
+
+// One check: compare_states.py ("states") or compare_optim_states.py ("optim") with its arguments.
+struct Comparison {
+  std::string tool;
+  std::vector<std::string> args;
+};
+
+// Runs every check in one python3 process (compare_many.py, DIR/compare_jobs.json): one import of torch instead of
+// one per check. One result per check, in order, as the tool alone would give it (its exit code, its output); if
+// the process itself fails, every result carries that failure.
+inline std::vector<ProcessResult> compare_all(const std::vector<Comparison>& checks, const std::string& dir,
+                                              const CommandOptions& o) {
+  nlohmann::json jobs = nlohmann::json::array();
+  for (const auto& c : checks) jobs.push_back({{"tool", c.tool}, {"args", c.args}});
+  const std::string file = dir + "/compare_jobs.json";
+  std::ofstream(file) << jobs.dump();
+  auto all = run({kPython, kReference + "/compare_many.py", file}, o);
+  std::vector<ProcessResult> results(checks.size());
+  std::istringstream lines(all.out);
+  std::string line;
+  for (auto& r : results) {
+    if (!std::getline(lines, line) || line.empty() || line[0] != '{') {
+      r.exit_code = -1;
+      r.out = "compare_many.py gave no result for this check: " + all.describe();
+      continue;
+    }
+    auto j = nlohmann::json::parse(line);
+    r.exit_code = j.at("status").get<int>();
+    r.out = j.at("output").get<std::string>();
+  }
+  return results;
 }
 
 }  // namespace gradsync::test::parity
