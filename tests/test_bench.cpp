@@ -46,6 +46,7 @@ TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
     const double ratio = j.at("ratio");
     EXPECT_DOUBLE_EQ(ratio, j["gradsync"]["step_seconds"]["median"].get<double>() /
                                 j["pytorch"]["step_seconds"]["median"].get<double>());
+    ASSERT_EQ(j.at("run_ratios").size(), 2u);
     for (size_t i = 0; i < 2; ++i) {  // pair i: gradsync's run i over PyTorch's run i
       EXPECT_DOUBLE_EQ(j.at("run_ratios").at(i).get<double>(), j["gradsync"]["run_medians"][i].get<double>() /
                                                                    j["pytorch"]["run_medians"][i].get<double>());

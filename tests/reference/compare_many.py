@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import sys
+import traceback
 
 import compare_optim_states
 import compare_states
@@ -26,12 +27,18 @@ def run(job):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             status = TOOLS[job["tool"]](job["args"])
-        except SystemExit as e:  # argparse's errors
-            status = e.code if isinstance(e.code, int) else 2
+        except SystemExit as e:  # argparse's errors, as the tool alone would exit
+            status = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except Exception:  # noqa: BLE001  e.g. torch.load of a missing file: this check fails, the others run
+            traceback.print_exc(file=out)
+            status = 1
     return status, out.getvalue()
 
 
 def main(argv):
+    if argv in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)
         return 2

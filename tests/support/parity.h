@@ -2,6 +2,7 @@
 // reference scripts are, the case files both sides start from, the flags both sides take, their JSONL logs, and the
 // comparisons of their results.
 #pragma once
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -51,8 +52,9 @@ struct Comparison {
 };
 
 // Runs every check in one python3 process (compare_many.py, DIR/compare_jobs.json): one import of torch instead of
-// one per check. One result per check, in order, as the tool alone would give it (its exit code, its output); if
-// the process itself fails, every result carries that failure.
+// one per check. One result per check, in order, as the tool alone would give it (its exit code, its output). A
+// check without a line fails with the process's own account; so does every check when the process timed out, was
+// killed, or exited otherwise than its lines say (0 exactly when every check passed).
 inline std::vector<ProcessResult> compare_all(const std::vector<Comparison>& checks, const std::string& dir,
                                               const CommandOptions& o) {
   nlohmann::json jobs = nlohmann::json::array();
@@ -72,6 +74,13 @@ inline std::vector<ProcessResult> compare_all(const std::vector<Comparison>& che
     auto j = nlohmann::json::parse(line);
     r.exit_code = j.at("status").get<int>();
     r.out = j.at("output").get<std::string>();
+  }
+  const bool every_check_passed = std::all_of(results.begin(), results.end(), [](const ProcessResult& r) { return r.ok(); });
+  if (all.timed_out || all.term_signal != 0 || (all.exit_code == 0) != every_check_passed) {
+    for (auto& r : results) {
+      r.exit_code = -1;
+      r.out = "compare_many.py failed as a whole: " + all.describe() + "\n" + r.out;
+    }
   }
   return results;
 }
