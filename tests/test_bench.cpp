@@ -58,15 +58,42 @@ TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
   }
 }
 
-// --wrap reaches train (a zero1 run in units of its Linear layers), and the JSON records it.
+// --floor: as many `--strategy local` processes as ranks, at once, pooled as one more side; what each side takes
+// over it is the difference of the medians.
+TEST(Bench, FloorIsALocalProcessPerRankAndEachSideIsMeasuredOverIt) {
+  auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:32-64-10", "--per-rank-batch", "8", "--world-size", "2",
+                   "--strategy", "ddp", "--backend", "mpi", "--steps", "4", "--warmup", "1", "--repeats", "2",
+                   "--compare-pytorch", "--floor", "--json"},
+                  within(180));
+  ASSERT_TRUE(r.ok()) << r.describe();
+  auto j = json_of(r);
+  expect_side(j.at("floor"), 16, "floor");
+  EXPECT_EQ(j["floor"]["bytes_sent_per_step"].get<double>(), 0.0);  // local processes exchange nothing
+  EXPECT_GT(j["gradsync"]["bytes_sent_per_step"].get<double>(), 0.0);
+  const double floor = j["floor"]["step_seconds"]["median"];
+  for (const char* side : {"gradsync", "pytorch"}) {
+    EXPECT_DOUBLE_EQ(j["over_floor_seconds"][side].get<double>(), j[side]["step_seconds"]["median"].get<double>() -
+                                                                     floor) << side;
+  }
+  auto text = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:32-64-10", "--per-rank-batch", "8", "--strategy", "ddp",
+                      "--steps", "2", "--warmup", "1", "--repeats", "1", "--floor"},
+                     within(120));
+  ASSERT_TRUE(text.ok()) << text.describe();
+  EXPECT_NE(text.out.find("\n  floor "), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("over the floor (median): gradsync "), std::string::npos) << text.out;
+}
+
+// --wrap reaches train (a zero1 run in units of its Linear layers), and the JSON records it; the floor's local
+// processes, which have no units, run without it.
 TEST(Bench, WrapIsPassedToTrainAndRecorded) {
   auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:16-32-4", "--per-rank-batch", "4", "--strategy", "zero1",
-                   "--wrap", "type:Linear", "--steps", "2", "--warmup", "1", "--repeats", "1", "--json"},
+                   "--wrap", "type:Linear", "--steps", "2", "--warmup", "1", "--repeats", "1", "--floor", "--json"},
                   within(120));
   ASSERT_TRUE(r.ok()) << r.describe();
   auto j = json_of(r);
   EXPECT_EQ(j["config"]["wrap"], "type:Linear");
   EXPECT_GT(j["gradsync"]["step_seconds"]["median"].get<double>(), 0.0);
+  EXPECT_GT(j["floor"]["step_seconds"]["median"].get<double>(), 0.0);
   // A well-formed spec naming no module of the model: only train, planning the units, can refuse it.
   auto missing = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:16-32-4", "--per-rank-batch", "4", "--strategy",
                          "zero1", "--wrap", "list:nosuch", "--steps", "2", "--warmup", "0", "--repeats", "1"},
@@ -136,6 +163,9 @@ TEST(Bench, BadFlagsAreNamedBeforeAnythingRuns) {
   EXPECT_NE(wrap.exit_code, 0);
   EXPECT_NE(wrap.err.find("--wrap"), std::string::npos) << wrap.describe();
   EXPECT_EQ(wrap.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << wrap.describe();
+  auto floor = t::run({GRADSYNC_BIN, "bench", "--strategy", "local", "--floor"}, within(30));
+  EXPECT_NE(floor.err.find("--floor runs a local process per rank"), std::string::npos) << floor.describe();
+  EXPECT_EQ(floor.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << floor.describe();
   auto ddp_wrap = t::run({GRADSYNC_BIN, "bench", "--strategy", "ddp", "--wrap", "children"}, within(30));
   EXPECT_NE(ddp_wrap.err.find("--wrap applies to --strategy fsdp-full"), std::string::npos) << ddp_wrap.describe();
 }

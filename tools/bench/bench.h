@@ -30,6 +30,7 @@ struct BenchConfig {
   int64_t warmup = 5;          // steps before them, not measured
   int repeats = 5;             // runs per side, interleaved: gradsync, PyTorch, gradsync, ...
   bool compare_pytorch = false;
+  bool floor = false;          // also run world_size `--strategy local` processes at once: the compute floor
   bool json = false;
   std::string plot;            // PNG path, "" = none
   double timeout_seconds = 600;
@@ -46,7 +47,8 @@ struct StepStats {
 // Validates (ConfigError naming the flag), runs the interleaved jobs, prints a table or JSON; returns the exit code.
 int run_step_bench(const BenchConfig& config);
 
-// The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio", "run_ratios"}.
+// The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio", "run_ratios"}, and with
+// --floor "floor": {...} and "over_floor_seconds": {"gradsync", "pytorch"} (median step minus the floor's median).
 nlohmann::json side_json(const StepStats& stats, const BenchConfig& config);
 
 // Writes `png` from the step times of both sides (pytorch may be empty). Returns "" or why it could not.

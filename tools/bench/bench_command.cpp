@@ -67,6 +67,9 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--repeats", c->repeats, "runs per side, interleaved (default 5)")->check(CLI::Range(1, 1000));
   cmd->add_flag("--compare-pytorch", c->compare_pytorch,
                 "also run python3-torch's DDP (Gloo) on the same model, batch, threads and world size");
+  cmd->add_flag("--floor", c->floor,
+                "also run as many --strategy local processes as ranks, all at once, each on one rank's batch: the "
+                "step time if communication cost nothing, and each side's time over it");
   cmd->add_flag("--json", c->json, "print one JSON document instead of the table");
   cmd->add_option("--plot", c->plot, "write the step times as a PNG (gnuplot)");
   cmd->add_option("--timeout", c->timeout_seconds, "seconds a run may take (default 600)")

@@ -5,6 +5,7 @@
 // each gradsync run to the PyTorch run right after it, show how far one pair of runs can stray from it.
 #include <algorithm>
 #include <fstream>
+#include <future>
 
 #include <fmt/format.h>
 
@@ -18,6 +19,11 @@
 namespace gradsync::cli {
 namespace {
 
+// The three sides of one bench, each pooled over its runs (pytorch and floor stay empty unless asked for).
+struct Measured {
+  StepStats gradsync, pytorch, floor;
+};
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -28,6 +34,10 @@ double median(std::vector<double> v) {
 // Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model and wrap specs only here.
 void validate(const BenchConfig& c) {
   parse_flag("--model", c.model, parse_model_spec);
+  if (c.floor && c.strategy == "local") {
+    throw ConfigError("--floor runs a local process per rank to show what a distributed strategy adds to the "
+                      "compute; with --strategy local there is no communication to show");
+  }
   if (c.wrap.empty()) return;
   if (c.strategy == "local" || c.strategy == "ddp") {
     throw ConfigError(fmt::format("--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, "
@@ -50,24 +60,30 @@ EnvMap thread_env(const BenchConfig& c) {
   return {{"OMP_NUM_THREADS", std::to_string(c.threads)}};
 }
 
-// One `gradsync train` job; appends its measured steps to `stats`.
-void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
-  const int n = ranks_of(c);
-  const std::string log = dir.file(fmt::format("gradsync-{}.jsonl", run));
-  const int64_t samples = c.per_rank_batch * n * 4;  // a few batches: the schedule crosses epochs as needed
+// `gradsync train` on `ranks` ranks (1: --strategy local) with the bench's model and per-rank batch, logging to `log`.
+std::vector<std::string> train_argv(const BenchConfig& c, const std::string& strategy, int ranks,
+                                    const std::string& log) {
+  const int64_t samples = c.per_rank_batch * ranks * 4;  // a few batches: the schedule crosses epochs as needed
   std::vector<std::string> argv{self_executable(), "train", "--model", c.model, "--data",
                                 fmt::format("synthetic:{}", samples), "--global-batch",
-                                std::to_string(c.per_rank_batch * n), "--strategy", c.strategy, "--steps",
+                                std::to_string(c.per_rank_batch * ranks), "--strategy", strategy, "--steps",
                                 std::to_string(c.warmup + c.steps), "--log", log, "--report-memory", "--quiet",
                                 "--timeout", fmt::format("{}", c.timeout_seconds)};
-  if (c.strategy != "local") {
-    argv.insert(argv.end(), {"--world-size", std::to_string(n), "--backend", c.backend});
-  }
+  if (strategy == "local") return argv;
+  argv.insert(argv.end(), {"--world-size", std::to_string(ranks), "--backend", c.backend});
   if (!c.wrap.empty()) argv.insert(argv.end(), {"--wrap", c.wrap});
-  const std::string out = dir.file(fmt::format("gradsync-{}.out", run));
+  return argv;
+}
+
+// Runs one job (`what` names it in errors), its output into `out`; throws with that output unless it exited 0.
+void run_job(const BenchConfig& c, const std::vector<std::string>& argv, const std::string& out, const char* what) {
   require_success(run_logged(argv, "", out, std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1e3)),
                              thread_env(c)),
-                  "gradsync", out);
+                  what, out);
+}
+
+// The measured steps of a train --log: their seconds, and into `stats` the bytes sent and peak memory.
+std::vector<double> read_train_log(const BenchConfig& c, const std::string& log, StepStats& stats) {
   std::ifstream in(log);
   std::vector<double> mine;
   double sent = 0;
@@ -79,8 +95,41 @@ void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& 
     stats.peak_rss_bytes = std::max(stats.peak_rss_bytes, j.value("rss_peak", int64_t{-1}));
   }
   stats.bytes_sent_per_step = mine.empty() ? -1 : sent / static_cast<double>(mine.size());
-  stats.run_medians.push_back(median(mine));
-  stats.step_seconds.insert(stats.step_seconds.end(), mine.begin(), mine.end());
+  return mine;
+}
+
+void add_run(StepStats& stats, const std::vector<double>& steps) {
+  stats.run_medians.push_back(median(steps));
+  stats.step_seconds.insert(stats.step_seconds.end(), steps.begin(), steps.end());
+}
+
+// One `gradsync train` job; appends its measured steps to `stats`.
+void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
+  const std::string log = dir.file(fmt::format("gradsync-{}.jsonl", run));
+  run_job(c, train_argv(c, c.strategy, ranks_of(c), log), dir.file(fmt::format("gradsync-{}.out", run)), "gradsync");
+  add_run(stats, read_train_log(c, log, stats));
+}
+
+// The compute floor: as many `--strategy local` processes as the job has ranks, each on one rank's batch, all at
+// once. They share the cores, memory bandwidth and caches as the ranks do but exchange nothing: the step time a
+// data-parallel job would have if its communication cost nothing. Every process's steps are pooled (a rank's step
+// also waits for the slowest rank, so the floor's median is, if anything, a little below what a free transport gives).
+void run_floor(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
+  std::vector<std::future<void>> jobs;
+  std::vector<std::string> logs;
+  for (int p = 0; p < c.world_size; ++p) {
+    logs.push_back(dir.file(fmt::format("floor-{}-{}.jsonl", run, p)));
+    jobs.push_back(std::async(std::launch::async, run_job, std::cref(c), train_argv(c, "local", 1, logs.back()),
+                              dir.file(fmt::format("floor-{}-{}.out", run, p)), "compute floor (--strategy local)"));
+  }
+  for (auto& job : jobs) job.wait();  // every process ends before a failure is reported
+  for (auto& job : jobs) job.get();
+  std::vector<double> steps;
+  for (const auto& log : logs) {
+    auto mine = read_train_log(c, log, stats);
+    steps.insert(steps.end(), mine.begin(), mine.end());
+  }
+  add_run(stats, steps);
 }
 
 // One python3-torch job (DDP over Gloo, or one process for --strategy local).
@@ -94,10 +143,7 @@ void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& s
                                 std::to_string(c.steps), "--warmup", std::to_string(c.warmup), "--threads",
                                 std::to_string(c.threads), "--out", result};
   if (c.strategy != "local") argv.push_back("--ddp");
-  const std::string out = dir.file(fmt::format("pytorch-{}.out", run));
-  require_success(run_logged(argv, "", out, std::chrono::milliseconds(static_cast<int64_t>(c.timeout_seconds * 1e3)),
-                             thread_env(c)),
-                  "PyTorch (python3-torch, Debian)", out);
+  run_job(c, argv, dir.file(fmt::format("pytorch-{}.out", run)), "PyTorch (python3-torch, Debian)");
   std::ifstream in(result);
   auto j = nlohmann::json::parse(in);
   auto mine = j.at("step_seconds").get<std::vector<double>>();
@@ -106,8 +152,7 @@ void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& s
   for (double s : sent) total += s;
   stats.bytes_sent_per_step = sent.empty() ? -1 : total / static_cast<double>(sent.size());
   stats.peak_rss_bytes = std::max(stats.peak_rss_bytes, j.at("rss_peak").get<int64_t>());
-  stats.run_medians.push_back(median(mine));
-  stats.step_seconds.insert(stats.step_seconds.end(), mine.begin(), mine.end());
+  add_run(stats, mine);
 }
 
 // Run i's median of gradsync over run i's of PyTorch: neighbours in time, so the machine's drift mostly cancels.
@@ -119,26 +164,59 @@ std::vector<double> run_ratios(const StepStats& mine, const StepStats& theirs) {
   return out;
 }
 
-void print_table(const BenchConfig& c, const StepStats& g, const StepStats& p) {
+// What a step costs beyond the compute floor, in seconds (medians): the price of a side's communication.
+double over_floor(const StepStats& side, const StepStats& floor) {
+  return median(side.step_seconds) - median(floor.step_seconds);
+}
+
+void print_table(const BenchConfig& c, const Measured& m) {
   fmt::print("gradsync bench: {} x{} ranks, {} per rank, {} thread(s), strategy {}, backend {}; {} runs x {} steps "
              "(+{} warm-up)\n", c.model, ranks_of(c), c.per_rank_batch, c.threads, c.strategy, c.backend, c.repeats,
              c.steps, c.warmup);
   fmt::print("  {:<10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>12}\n", "", "min ms", "median ms", "max ms",
              "samples/s", "peak RSS MiB", "sent/step");
   auto row = [&](const char* name, const StepStats& s) {
+    if (s.step_seconds.empty()) return;
     auto j = side_json(s, c);
     fmt::print("  {:<10} {:>10.2f} {:>10.2f} {:>10.2f} {:>12.0f} {:>12.1f} {:>12.0f}\n", name,
                1e3 * j["step_seconds"]["min"].get<double>(), 1e3 * j["step_seconds"]["median"].get<double>(),
                1e3 * j["step_seconds"]["max"].get<double>(), j["samples_per_second"].get<double>(),
                j["peak_memory_bytes_per_rank"].get<double>() / (1 << 20), j["bytes_sent_per_step"].get<double>());
   };
-  row("gradsync", g);
-  if (p.step_seconds.empty()) return;
-  row("pytorch", p);
-  const auto pairs = run_ratios(g, p);
+  row("gradsync", m.gradsync);
+  row("pytorch", m.pytorch);
+  row("floor", m.floor);
+  if (!m.floor.step_seconds.empty()) {
+    fmt::print("  over the floor (median): gradsync {:+.2f} ms", 1e3 * over_floor(m.gradsync, m.floor));
+    if (!m.pytorch.step_seconds.empty()) fmt::print(", pytorch {:+.2f} ms", 1e3 * over_floor(m.pytorch, m.floor));
+    fmt::print("\n");
+  }
+  if (m.pytorch.step_seconds.empty()) return;
+  const auto pairs = run_ratios(m.gradsync, m.pytorch);
   const auto [lo, hi] = std::minmax_element(pairs.begin(), pairs.end());
   fmt::print("  ratio gradsync/pytorch (median step time): {:.3f} (run by run: {:.3f}-{:.3f})\n",
-             median(g.step_seconds) / median(p.step_seconds), *lo, *hi);
+             median(m.gradsync.step_seconds) / median(m.pytorch.step_seconds), *lo, *hi);
+}
+
+nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
+  nlohmann::json out{{"config", {{"model", c.model}, {"per_rank_batch", c.per_rank_batch},
+                                 {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"wrap", c.wrap},
+                                 {"backend", c.backend},
+                                 {"threads", c.threads}, {"steps", c.steps}, {"warmup", c.warmup},
+                                 {"repeats", c.repeats}}},
+                     {"gradsync", side_json(m.gradsync, c)}};
+  if (c.compare_pytorch) {
+    out["pytorch"] = side_json(m.pytorch, c);
+    out["pytorch"]["backend"] = "gloo";
+    out["ratio"] = median(m.gradsync.step_seconds) / median(m.pytorch.step_seconds);
+    out["run_ratios"] = run_ratios(m.gradsync, m.pytorch);
+  }
+  if (c.floor) {
+    out["floor"] = side_json(m.floor, c);
+    out["over_floor_seconds"] = {{"gradsync", over_floor(m.gradsync, m.floor)}};
+    if (c.compare_pytorch) out["over_floor_seconds"]["pytorch"] = over_floor(m.pytorch, m.floor);
+  }
+  return out;
 }
 
 }  // namespace
@@ -156,31 +234,21 @@ nlohmann::json side_json(const StepStats& s, const BenchConfig& c) {
 int run_step_bench(const BenchConfig& c) {
   validate(c);
   TempDir dir("gradsync-bench-");
-  StepStats mine, theirs;
+  Measured m;
   for (int run = 0; run < c.repeats; ++run) {
-    fmt::print(stderr, "[bench] run {}/{}: gradsync{}\n", run + 1, c.repeats, c.compare_pytorch ? ", PyTorch" : "");
-    run_gradsync(c, dir, run, mine);
-    if (c.compare_pytorch) run_pytorch(c, dir, run, theirs);
+    fmt::print(stderr, "[bench] run {}/{}: gradsync{}{}\n", run + 1, c.repeats, c.compare_pytorch ? ", PyTorch" : "",
+               c.floor ? ", floor" : "");
+    run_gradsync(c, dir, run, m.gradsync);
+    if (c.compare_pytorch) run_pytorch(c, dir, run, m.pytorch);
+    if (c.floor) run_floor(c, dir, run, m.floor);
   }
-  std::string plot_note = c.plot.empty() ? "" : plot_step_times(c.plot, mine, theirs, c);
+  std::string plot_note = c.plot.empty() ? "" : plot_step_times(c.plot, m.gradsync, m.pytorch, c);
   if (!plot_note.empty()) fmt::print(stderr, "[bench] plot: {}\n", plot_note);
-  if (!c.json) {
-    print_table(c, mine, theirs);
-    return 0;
+  if (c.json) {
+    fmt::print("{}\n", bench_json(c, m).dump(2));
+  } else {
+    print_table(c, m);
   }
-  nlohmann::json out{{"config", {{"model", c.model}, {"per_rank_batch", c.per_rank_batch},
-                                 {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"wrap", c.wrap},
-                                 {"backend", c.backend},
-                                 {"threads", c.threads}, {"steps", c.steps}, {"warmup", c.warmup},
-                                 {"repeats", c.repeats}}},
-                     {"gradsync", side_json(mine, c)}};
-  if (c.compare_pytorch) {
-    out["pytorch"] = side_json(theirs, c);
-    out["pytorch"]["backend"] = "gloo";
-    out["ratio"] = median(mine.step_seconds) / median(theirs.step_seconds);
-    out["run_ratios"] = run_ratios(mine, theirs);
-  }
-  fmt::print("{}\n", out.dump(2));
   return 0;
 }
 
