@@ -68,6 +68,10 @@ TEST(Bench, FloorIsALocalProcessPerRankAndEachSideIsMeasuredOverIt) {
   ASSERT_TRUE(r.ok()) << r.describe();
   auto j = json_of(r);
   expect_side(j.at("floor"), 16, "floor", 1);
+  // Every process's measured steps are pooled: 2 processes x 4 steps (each also ran 1 step after them, unmeasured).
+  EXPECT_EQ(j["floor"]["measured_steps"].get<int64_t>(), 2 * 4);
+  EXPECT_EQ(j["gradsync"]["measured_steps"].get<int64_t>(), 4);
+  EXPECT_EQ(j["pytorch"]["measured_steps"].get<int64_t>(), 4);
   EXPECT_EQ(j["floor"]["bytes_sent_per_step"].get<double>(), 0.0);  // local processes exchange nothing
   EXPECT_GT(j["gradsync"]["bytes_sent_per_step"].get<double>(), 0.0);
   const double floor = j["floor"]["step_seconds"]["median"];
@@ -164,6 +168,7 @@ TEST(Bench, BadFlagsAreNamedBeforeAnythingRuns) {
   EXPECT_NE(wrap.err.find("--wrap"), std::string::npos) << wrap.describe();
   EXPECT_EQ(wrap.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << wrap.describe();
   auto floor = t::run({GRADSYNC_BIN, "bench", "--strategy", "local", "--floor"}, within(30));
+  EXPECT_NE(floor.exit_code, 0);
   EXPECT_NE(floor.err.find("--floor runs a local process per rank"), std::string::npos) << floor.describe();
   EXPECT_EQ(floor.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << floor.describe();
   auto ddp_wrap = t::run({GRADSYNC_BIN, "bench", "--strategy", "ddp", "--wrap", "children"}, within(30));

@@ -56,7 +56,9 @@ void ensure_mpi_initialized() {
   if (MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS) {
     throw DistributedError("MPI_Init_thread failed (is this process started by mpirun?)");
   }
-  // Only the transport's worker thread calls MPI between init and finalize; SERIALIZED is all that needs.
+  // The transport's worker thread makes the MPI calls; other threads call MPI only when one fails (MPI_Error_string)
+  // or a new transport starts, and then a worker detached after a failure may still be inside MPI. Open MPI grants
+  // MULTIPLE, which covers that; SERIALIZED is the least the ordinary path needs.
   if (provided < MPI_THREAD_SERIALIZED) {
     throw DistributedError(fmt::format("MPI granted thread level {}; gradsync needs MPI_THREAD_SERIALIZED", provided));
   }

@@ -1,5 +1,6 @@
 // defines: `gradsync bench`, speed and memory measured against PyTorch in the same run.
-//   bench_step.cpp        training steps: gradsync `train` jobs and python3-torch jobs, interleaved (BenchConfig)
+//   bench_step.cpp        training steps: gradsync `train` jobs, python3-torch jobs and the compute floor (local
+//                         processes at once), interleaved (BenchConfig)
 //   pytorch_ddp.cpp       the python3-torch program those jobs run (PyTorch's DDP recipe, timed the same way)
 //   bench_allreduce.cpp   `bench allreduce`: gradsync's allreduce next to the raw c10d Gloo / MPI_Allreduce
 //   bench_plot.cpp        --plot: a gnuplot PNG of the step times
@@ -36,11 +37,12 @@ struct BenchConfig {
   double timeout_seconds = 600;
 };
 
-// What one side measured, pooled over its runs (rank 0's step times; every rank waits for the others each step).
+// What one side measured, pooled over its runs: rank 0's step times (every rank waits for the others each step),
+// or for the floor every process's.
 struct StepStats {
   std::vector<double> step_seconds;   // measured steps of every run, in order
   std::vector<double> run_medians;    // one per run
-  int64_t peak_rss_bytes = -1;        // rank 0's peak resident memory (VmHWM), max over runs
+  int64_t peak_rss_bytes = -1;        // rank 0's peak resident memory (VmHWM; the floor: any process's), max over runs
   double bytes_sent_per_step = -1;    // rank 0, mean over measured steps
 };
 

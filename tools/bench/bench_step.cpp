@@ -2,7 +2,8 @@
 // size. Each run is a fresh job: gradsync's is `gradsync train` with --log (its per-step seconds, bytes sent and
 // peak memory), PyTorch's is pytorch_ddp_program() under `gradsync launch` (torchrun's environment). Runs alternate
 // so that both sides see the same drift of this machine; the ratio is of the pooled medians, and run_ratios, of
-// each gradsync run to the PyTorch run right after it, show how far one pair of runs can stray from it.
+// each gradsync run to the PyTorch run right after it, show how far one pair of runs can stray from it. --floor adds
+// a third job per run, the compute floor (run_floor()).
 #include <algorithm>
 #include <fstream>
 #include <future>
@@ -60,14 +61,15 @@ EnvMap thread_env(const BenchConfig& c) {
   return {{"OMP_NUM_THREADS", std::to_string(c.threads)}};
 }
 
-// `gradsync train` on `ranks` ranks (1: --strategy local) with the bench's model and per-rank batch, logging to `log`.
+// `gradsync train` on `ranks` ranks (1: --strategy local) with the bench's model and per-rank batch, logging to `log`;
+// `tail` steps more after the measured ones.
 std::vector<std::string> train_argv(const BenchConfig& c, const std::string& strategy, int ranks,
-                                    const std::string& log) {
+                                    const std::string& log, int64_t tail = 0) {
   const int64_t samples = c.per_rank_batch * ranks * 4;  // a few batches: the schedule crosses epochs as needed
   std::vector<std::string> argv{self_executable(), "train", "--model", c.model, "--data",
                                 fmt::format("synthetic:{}", samples), "--global-batch",
                                 std::to_string(c.per_rank_batch * ranks), "--strategy", strategy, "--steps",
-                                std::to_string(c.warmup + c.steps), "--log", log, "--report-memory", "--quiet",
+                                std::to_string(c.warmup + c.steps + tail), "--log", log, "--report-memory", "--quiet",
                                 "--timeout", fmt::format("{}", c.timeout_seconds)};
   if (strategy == "local") return argv;
   argv.insert(argv.end(), {"--world-size", std::to_string(ranks), "--backend", c.backend});
@@ -89,7 +91,8 @@ std::vector<double> read_train_log(const BenchConfig& c, const std::string& log,
   double sent = 0;
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::json::parse(line);
-    if (j.at("step").get<int64_t>() < c.warmup) continue;
+    const int64_t step = j.at("step").get<int64_t>();
+    if (step < c.warmup || step >= c.warmup + c.steps) continue;
     mine.push_back(j.at("seconds").get<double>());
     sent += j.value("sent_bytes", 0.0);
     stats.peak_rss_bytes = std::max(stats.peak_rss_bytes, j.value("rss_peak", int64_t{-1}));
@@ -114,12 +117,14 @@ void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& 
 // once. They share the cores, memory bandwidth and caches as the ranks do but exchange nothing: the step time a
 // data-parallel job would have if its communication cost nothing. Every process's steps are pooled (a rank's step
 // also waits for the slowest rank, so the floor's median is, if anything, a little below what a free transport gives).
+// Nothing synchronises the processes, so each runs `warmup` unmeasured steps after its measured ones as well as
+// before: as long as their starts differ by less than that, every measured step shares the cores with the others.
 void run_floor(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
   std::vector<std::future<void>> jobs;
   std::vector<std::string> logs;
   for (int p = 0; p < c.world_size; ++p) {
     logs.push_back(dir.file(fmt::format("floor-{}-{}.jsonl", run, p)));
-    jobs.push_back(std::async(std::launch::async, run_job, std::cref(c), train_argv(c, "local", 1, logs.back()),
+    jobs.push_back(std::async(std::launch::async, run_job, std::cref(c), train_argv(c, "local", 1, logs.back(), c.warmup),
                               dir.file(fmt::format("floor-{}-{}.out", run, p)), "compute floor (--strategy local)"));
   }
   for (auto& job : jobs) job.wait();  // every process ends before a failure is reported
@@ -225,6 +230,7 @@ nlohmann::json side_json(const StepStats& s, const BenchConfig& c) {
   const double med = median(s.step_seconds);
   const auto [lo, hi] = std::minmax_element(s.step_seconds.begin(), s.step_seconds.end());
   return {{"step_seconds", {{"min", *lo}, {"median", med}, {"max", *hi}}},
+          {"measured_steps", s.step_seconds.size()},
           {"run_medians", s.run_medians},
           {"samples_per_second", med > 0 ? static_cast<double>(c.per_rank_batch * ranks_of(c)) / med : 0.0},
           {"peak_memory_bytes_per_rank", s.peak_rss_bytes},
