@@ -170,15 +170,14 @@ class MpiWork : public TransportWork {
 // transport, its works and its worker thread, since the worker can outlive the transport: when the transport is
 // destroyed after a failure (an exception unwinding, or an operation that timed out) the worker is detached rather
 // than joined, as it may be stuck in MPI for good, and must find its queue still there when it wakes.
-class WorkQueue {
+class WorkQueue : public std::enable_shared_from_this<WorkQueue> {
  public:
   explicit WorkQueue(bool eager) : eager_(eager) {}
 
-  std::shared_ptr<MpiWork> submit(std::shared_ptr<WorkQueue> self, std::function<int()> run) {
+  std::shared_ptr<MpiWork> submit(std::function<int()> run) {
     std::lock_guard<std::mutex> lock(mutex_);
     const uint64_t seq = ++submitted_;
-    std::weak_ptr<WorkQueue> queue = self;
-    auto work = std::make_shared<MpiWork>(std::move(run), [queue, seq] {
+    auto work = std::make_shared<MpiWork>(std::move(run), [queue = weak_from_this(), seq] {
       if (auto q = queue.lock()) q->release(seq);
     });
     queue_.push_back(work);
@@ -299,7 +298,7 @@ class MpiTransport : public Transport {
     return static_cast<int>(bytes);
   }
 
-  std::shared_ptr<TransportWork> submit(std::function<int()> run) { return queue_->submit(queue_, std::move(run)); }
+  std::shared_ptr<TransportWork> submit(std::function<int()> run) { return queue_->submit(std::move(run)); }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
   int size_ = 0;
