@@ -170,7 +170,8 @@ TEST(Bench, BadFlagsAreNamedBeforeAnythingRuns) {
   auto floor = t::run({GRADSYNC_BIN, "bench", "--strategy", "local", "--floor"}, within(30));
   EXPECT_NE(floor.exit_code, 0);
   EXPECT_NE(floor.err.find("--floor runs a local process per rank"), std::string::npos) << floor.describe();
-  EXPECT_EQ(floor.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << floor.describe();
+  EXPECT_EQ(floor.err.find("[bench] run"), std::string::npos) << "refused only after a run started: "
+                                                               << floor.describe();
   auto ddp_wrap = t::run({GRADSYNC_BIN, "bench", "--strategy", "ddp", "--wrap", "children"}, within(30));
   EXPECT_NE(ddp_wrap.err.find("--wrap applies to --strategy fsdp-full"), std::string::npos) << ddp_wrap.describe();
 }

@@ -124,7 +124,8 @@ void run_floor(const BenchConfig& c, const TempDir& dir, int run, StepStats& sta
   std::vector<std::string> logs;
   for (int p = 0; p < c.world_size; ++p) {
     logs.push_back(dir.file(fmt::format("floor-{}-{}.jsonl", run, p)));
-    jobs.push_back(std::async(std::launch::async, run_job, std::cref(c), train_argv(c, "local", 1, logs.back(), c.warmup),
+    jobs.push_back(std::async(std::launch::async, run_job, std::cref(c),
+                              train_argv(c, "local", 1, logs.back(), /*tail=*/c.warmup),
                               dir.file(fmt::format("floor-{}-{}.out", run, p)), "compute floor (--strategy local)"));
   }
   for (auto& job : jobs) job.wait();  // every process ends before a failure is reported
