@@ -149,6 +149,8 @@ TEST(Bench, AllreduceReportsBusBandwidthNextToTheRawEngine) {
       const double algbw = row["algbw_gbps"], busbw = row["busbw_gbps"];
       EXPECT_DOUBLE_EQ(busbw, algbw * 2.0 * (2 - 1) / 2);  // nccl-tests' busbw for allreduce
       EXPECT_GT(row["raw_seconds"].get<double>(), 0);
+      EXPECT_DOUBLE_EQ(row["bucket_busbw_gbps"].get<double>(),
+                       row["bytes"].get<double>() / row["bucket_seconds"].get<double>() / 1e9 * 2.0 * (2 - 1) / 2);
     }
   }
 }

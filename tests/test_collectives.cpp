@@ -2,10 +2,14 @@
 // contributes 2^r, so the sum is 2^N-1, the mean (2^N-1)/N, and an unreduced value 2^r differs from both for
 // every N >= 2.
 #include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <sstream>
 
 #include <gtest/gtest.h>
 
 #include "gradsync/runtime.h"
+#include "runtime/shared_segment.h"
 #include "support/subprocess.h"
 #include "support/worker.h"
 
@@ -21,6 +25,54 @@ void expect_all(const torch::Tensor& t, double value, const char* what, double r
   // Sums of powers of two are exact in float; a mean multiplies by 1/N first, so allow rounding there.
   WORKER_CHECK(torch::allclose(t, expected, rtol, rtol > 0 ? 1e-7 : 0), "{}: got {} expected {}", what,
                t.flatten()[0].item<double>(), value);
+}
+
+// The file mapped at `data` in this process (/proc/self/maps), "" for anonymous memory.
+std::string mapping_of(const void* data) {
+  std::ifstream maps("/proc/self/maps");
+  const auto address = reinterpret_cast<uintptr_t>(data);
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range, perms, offset, device, inode, path;
+    fields >> range >> perms >> offset >> device >> inode;
+    std::getline(fields >> std::ws, path);
+    const auto dash = range.find('-');
+    if (address >= std::stoull(range.substr(0, dash), nullptr, 16) &&
+        address < std::stoull(range.substr(dash + 1), nullptr, 16)) {
+      return path;
+    }
+  }
+  return "";
+}
+
+// Reduction buffers (DDP's buckets): zeros, summed whole and in parts at the same offset on every rank, again and
+// again; on MPI with several ranks (and sharing not switched off) they must be shared memory, else plain memory.
+void check_reduction_buffers(gradsync::Collectives& comm) {
+  const int r = comm.rank();
+  const int n = comm.size();
+  const double sum = pow2(n) - 1;
+  auto bucket = comm.reduction_buffer(1037, torch::kFloat);
+  expect_all(bucket, 0, "a new reduction buffer");
+  for (int round = 1; round <= 2; ++round) {
+    bucket.fill_(round * pow2(r));
+    comm.allreduce_sum_async(bucket).wait();
+    expect_all(bucket, round * sum, "reduction buffer allreduce");
+  }
+  auto part = bucket.narrow(0, 101, 333);
+  part.fill_(3 * pow2(r));
+  comm.allreduce_sum_async(part).wait();
+  expect_all(part, 3 * sum, "allreduce of a part of a reduction buffer");
+  expect_all(bucket.narrow(0, 0, 101), 2 * sum, "the rest of the buffer, untouched");
+  auto wide = comm.reduction_buffer(77, torch::kDouble);
+  wide.fill_(pow2(r));
+  comm.allreduce_sum_async(wide).wait();
+  expect_all(wide, sum, "float64 reduction buffer allreduce");
+  const std::string file = mapping_of(bucket.data_ptr());
+  const char* sharing = std::getenv("GRADSYNC_MPI_SHARED_BUCKETS");
+  const bool shared = comm.backend() == gradsync::Backend::Mpi && n > 1 && !(sharing && std::string(sharing) == "off");
+  WORKER_CHECK((file.find("/dev/shm/gradsync-") == 0) == shared, "reduction buffer mapped from '{}' on {} with {} "
+               "rank(s); expected shared memory: {}", file, gradsync::to_string(comm.backend()), n, shared);
+  WORKER_CHECK(!shared || file.find("(deleted)") != std::string::npos, "{} still has a name in /dev/shm", file);
 }
 
 }  // namespace
@@ -60,6 +112,7 @@ GRADSYNC_WORKER(collectives) {
   auto strings = comm.allgather_strings(std::string(static_cast<size_t>(r + 1), 'x'));
   for (int q = 0; q < n; ++q) WORKER_CHECK(strings[static_cast<size_t>(q)].size() == static_cast<size_t>(q + 1), "");
 
+  check_reduction_buffers(comm);
   comm.barrier();
   fmt::print("collectives ok on rank {} of {} ({})\n", r, n, gradsync::to_string(world->backend()));
   return 0;
@@ -79,6 +132,38 @@ TEST_P(Collectives, SumMeanBroadcastGatherScatterAreExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, testing::Values(1, 2, 3, 4));
+
+// The in-place sum of shared slots, its ranks played one after another in one process: 3 slots, a length that is
+// no multiple of the shares' cache-line cut, an offset into the slots, slot k holding k + 1 + i / 1000 at element i
+// (so a share summed twice, missed, or read from the wrong element shows).
+TEST(SharedSegment, EveryRanksShareSumsEverySlotInRankOrder) {
+  const std::string name = fmt::format("/gradsync-test-{}", getpid());
+  auto segment = gradsync::SharedSegment::create(name, 1 << 16, 3);
+  gradsync::SharedSegment::unlink(name);
+  const int64_t count = 5003;
+  const size_t offset = 256;
+  auto slot = [&](int k) {
+    return torch::from_blob(static_cast<char*>(segment->slot(k)) + offset, {count}, torch::kFloat);
+  };
+  const auto ramp = torch::arange(count, torch::kFloat) / 1000;
+  for (int k = 0; k < 3; ++k) slot(k).copy_(ramp + (k + 1));
+  const auto before = torch::from_blob(segment->slot(0), {64}, torch::kFloat).clone();
+  for (int rank = 0; rank < 3; ++rank) {
+    segment->sum_share(offset, count, gradsync::SharedSegment::Element::Float32, rank);
+  }
+  const auto expected = ((ramp + 1) + (ramp + 2)) + (ramp + 3);
+  for (int k = 0; k < 3; ++k) EXPECT_TRUE(torch::equal(slot(k), expected)) << "slot " << k;
+  EXPECT_TRUE(torch::equal(torch::from_blob(segment->slot(0), {64}, torch::kFloat), before)) << "before the offset";
+}
+
+TEST(SharedSegment, ANameThatExistsOrIsMissingIsAnError) {
+  const std::string name = fmt::format("/gradsync-test-twice-{}", getpid());
+  auto first = gradsync::SharedSegment::create(name, 4096, 2);
+  EXPECT_THROW(gradsync::SharedSegment::create(name, 4096, 2), std::system_error);
+  EXPECT_THROW(gradsync::SharedSegment::open(name, 8192, 2), std::system_error);  // smaller than asked
+  gradsync::SharedSegment::unlink(name);
+  EXPECT_THROW(gradsync::SharedSegment::open(name, 4096, 2), std::system_error);
+}
 
 // Large buffers, random values: every rank draws every rank's input from the same seeds, so it knows the sum
 // exactly as one process computes it (x_0 + x_1 + ...: at two ranks the only order there is). Odd lengths leave

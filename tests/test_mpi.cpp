@@ -66,6 +66,22 @@ TEST_P(MpiCollectives, SumMeanBroadcastGatherScatterAreExact) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, MpiCollectives, testing::Values(1, 2, 3, 4));
 
+// GRADSYNC_MPI_SHARED_BUCKETS=off: the same results with reduction buffers in plain memory (the worker checks
+// where they live); a value that is neither on nor off is refused, naming it.
+TEST(MpiCollectives, SharedBucketsSwitchedOffGiveTheSameSumsAndBadValuesAreRefused) {
+  auto off = within(60);
+  off.env = {{"GRADSYNC_MPI_SHARED_BUCKETS", "off"}};
+  auto r = t::run_mpi_ranks(3, t::worker_argv("collectives"), off);
+  ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_NE(r.out.find("collectives ok on rank 2 of 3 (mpi)"), std::string::npos) << r.out;
+  auto bad = within(60);
+  bad.env = {{"GRADSYNC_MPI_SHARED_BUCKETS", "yes"}};
+  auto refused = t::run_mpi_ranks(2, t::worker_argv("collectives"), bad);
+  EXPECT_FALSE(refused.ok());
+  const std::string said = refused.out + refused.err;
+  EXPECT_NE(said.find("GRADSYNC_MPI_SHARED_BUCKETS='yes'; expected on or off"), std::string::npos) << said;
+}
+
 GRADSYNC_WORKER(mpi_stalled_peer) {
   gradsync::InitOptions options;
   options.timeout = std::chrono::seconds(2);

@@ -55,6 +55,10 @@ class Collectives {
   void allreduce(torch::Tensor& tensor, Reduction reduction);
   // SUM allreduce started now, finished by PendingWork::wait(); the caller has already applied any scaling.
   PendingWork allreduce_sum_async(torch::Tensor& tensor);
+  // Collective: `numel` zeros of `dtype` to allreduce again and again (DDP's buckets). On MPI with every rank on
+  // one host they live in shared memory, where the allreduce sums them in place (docs/performance.md); any tensor
+  // works with allreduce, these may just be faster. Every rank calls it with the same numel and dtype.
+  torch::Tensor reduction_buffer(int64_t numel, c10::ScalarType dtype);
   void broadcast(torch::Tensor& tensor, int root);
   // Broadcasts a list of tensors from root, coalesced into one flat buffer per dtype.
   void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, int root);

@@ -3,7 +3,8 @@
 //
 //   AccumulateGrad(param) writes .grad            (sums over micro-batches while no_sync is active)
 //     -> hook: copy .grad into its bucket, x 1/N  (the division of Reduction::Mean, see reduction.h)
-//        -> bucket complete: async SUM allreduce  (overlaps the rest of backward)
+//        -> bucket complete: async SUM allreduce  (overlaps the rest of backward; MPI within one host: the buckets
+//                                                  are shared memory, summed in place by the ranks)
 //   final callback (still inside backward()): unused parameters -> zeros, wait for every bucket,
 //     .grad = bucket contents                     (the mean over ranks, or the sum)
 //
@@ -67,7 +68,8 @@ class DistributedDataParallel : public Engine {
   StateDict state_dict(bool rank0_only = false) override;  // this rank's own module (replicas are equal)
   void load_state_dict(const StateDict& state) override;  // rank 0's state, then broadcast
   StateDict layout_state() const override;                // {"bucket_order": [indices]} once rebuilt, else {}
-  void load_layout_state(const StateDict& state) override;  // the rebuilt buckets, as if this run had built them
+  // Collective (every rank, the same state): the rebuilt buckets, as if this run had built them.
+  void load_layout_state(const StateDict& state) override;
   MemoryStats memory() const override;   // module parameters, .grad, optimizer state (buckets not counted)
   CommStats traffic() const override;    // bucket allreduces
   torch::nn::Module& module() override;

@@ -150,7 +150,8 @@ class Engine {
   virtual void load_state_dict(const StateDict& state) = 0;
   // What else a bit-exact resume needs of the engine itself, the same on every rank: DDP's bucket order once its
   // buckets were rebuilt (a different bucket layout sums across three or more ranks in another order). Empty for
-  // the other engines. load_layout_state() takes what the same kind of engine returned, before the first forward;
+  // the other engines. load_layout_state() takes what the same kind of engine returned, before the first forward,
+  // on every rank (collective: DDP's buffers for the new buckets are agreed on by all ranks);
   // a state that does not fit (other parameters) is a ConfigError naming it.
   virtual StateDict layout_state() const { return {}; }
   virtual void load_layout_state(const StateDict& state) {}

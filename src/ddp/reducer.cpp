@@ -220,7 +220,7 @@ void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
   slots.assign(params.size(), Slot{});
   for (const auto& plan : layout) {
     Bucket bucket;
-    bucket.flat = torch::zeros({plan.numel}, torch::TensorOptions().dtype(plan.dtype));
+    bucket.flat = world->comm().reduction_buffer(plan.numel, plan.dtype);  // zeros; on MPI maybe shared memory
     for (const auto& entry : plan.entries) {
       auto& slot = slots[entry.param];
       slot.bucket = buckets.size();

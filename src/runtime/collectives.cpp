@@ -85,6 +85,16 @@ PendingWork Collectives::allreduce_sum_async(torch::Tensor& tensor) {
   return PendingWork(transport_->allreduce_sum(tensor), std::move(what), timeout_);
 }
 
+torch::Tensor Collectives::reduction_buffer(int64_t numel, c10::ScalarType dtype) {
+  auto what = describe("reduction buffer", nullptr, fmt::format("{} x {}", numel, c10::toString(dtype)).c_str());
+  try {
+    return transport_->reduction_buffer(numel, dtype, timeout_);
+  } catch (const std::runtime_error& e) {
+    if (dynamic_cast<const Error*>(&e)) throw;  // already says what is wrong (ConfigError)
+    throw DistributedError(fmt::format("{} failed: {}", what, e.what()));
+  }
+}
+
 void Collectives::broadcast(torch::Tensor& tensor, int root) {
   check_contiguous(tensor, "broadcast");
   auto what = describe("broadcast", &tensor, fmt::format("from rank {}", root).c_str());

@@ -35,6 +35,12 @@ class Transport {
   // output (n elements) on rank r = sum over ranks of input[r*n : (r+1)*n].
   virtual std::shared_ptr<TransportWork> reduce_scatter_sum(torch::Tensor input, torch::Tensor output) = 0;
   virtual std::shared_ptr<TransportWork> barrier() = 0;
+  // Collective (same numel and dtype on every rank, in the same order): zeros to pass to allreduce_sum() again and
+  // again, as DDP's buckets. MPI with every rank on one host places them in shared memory (shared_segment.h), where
+  // allreduce_sum() of them, or of a part at the same offset on every rank, sums in place. Plain memory elsewhere.
+  virtual torch::Tensor reduction_buffer(int64_t numel, c10::ScalarType dtype, std::chrono::milliseconds timeout) {
+    return torch::zeros({numel}, torch::TensorOptions().dtype(dtype));
+  }
 };
 
 // c10d ProcessGroupGloo over `store` (the rendezvous has already been checked by the caller).

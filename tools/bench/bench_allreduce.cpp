@@ -1,12 +1,15 @@
 // `gradsync bench allreduce` (see bench.h): the time of gradsync's allreduce (Collectives, on its transport) next to
 // the raw engine under it on the same bytes, in the same processes: a ProcessGroupGloo of c10d's own for gloo,
-// MPI_Allreduce for mpi. Bandwidths as nccl-tests define them: algbw = bytes / time, busbw = algbw * 2(N-1)/N.
+// MPI_Allreduce for mpi; and gradsync's allreduce of a reduction buffer, as DDP's buckets are (on MPI within a host:
+// summed in shared memory). Bandwidths as nccl-tests define them: algbw = bytes / time, busbw = algbw * 2(N-1)/N.
 #define OMPI_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <algorithm>
 #include <cctype>
 #include <fstream>
+#include <functional>
+#include <vector>
 
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -29,26 +32,26 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Median seconds of `iterations` runs of each of two ops, interleaved (mine, raw, mine, ...) so that drift in the
-// machine's speed falls on both alike, each started together on every rank (a barrier first), after `warmup` runs.
-template <typename Mine, typename Raw, typename Barrier>
-std::pair<double, double> time_interleaved(const AllreduceBenchConfig& c, Mine&& mine, Raw&& raw, Barrier&& barrier) {
+// Median seconds of `iterations` runs of each op, interleaved (op 0, op 1, ..., op 0, ...) so that drift in the
+// machine's speed falls on all alike, each started together on every rank (a barrier first), after `warmup` runs.
+template <typename Barrier>
+std::vector<double> time_interleaved(const AllreduceBenchConfig& c, const std::vector<std::function<void()>>& ops,
+                                     Barrier&& barrier) {
   for (int i = 0; i < c.warmup; ++i) {
-    mine();
-    raw();
+    for (const auto& op : ops) op();
   }
-  auto timed = [&](auto&& op) {
-    barrier();
-    const auto start = Clock::now();
-    op();
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  };
-  std::vector<double> mine_seconds, raw_seconds;
+  std::vector<std::vector<double>> seconds(ops.size());
   for (int i = 0; i < c.iterations; ++i) {
-    mine_seconds.push_back(timed(mine));
-    raw_seconds.push_back(timed(raw));
+    for (size_t k = 0; k < ops.size(); ++k) {
+      barrier();
+      const auto start = Clock::now();
+      ops[k]();
+      seconds[k].push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    }
   }
-  return {median(mine_seconds), median(raw_seconds)};
+  std::vector<double> medians;
+  for (auto& s : seconds) medians.push_back(median(std::move(s)));
+  return medians;
 }
 
 // c10d's ProcessGroupGloo, made here as a user of c10d would (rank 0 serves a TCPStore on MASTER_PORT, which
@@ -98,20 +101,24 @@ int run_allreduce_rank(const AllreduceBenchConfig& c, const std::string& out) {
   for (const auto& size : c.sizes) {
     const int64_t bytes = parse_byte_size(size);
     auto t = torch::ones({bytes / 4}, torch::kFloat);
+    auto bucket = world->comm().reduction_buffer(bytes / 4, torch::kFloat);
     auto barrier = [&] { world->comm().barrier(); };
-    const auto [mine, raw] = time_interleaved(c, [&] { world->comm().allreduce(t, Reduction::Sum); }, [&] {
+    const auto times = time_interleaved(c, {[&] { world->comm().allreduce(t, Reduction::Sum); }, [&] {
       if (mpi) {
         MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
       } else {
         std::vector<at::Tensor> list{t};
         gloo->allreduce(list)->wait();
       }
-    }, barrier);
+    }, [&] { world->comm().allreduce(bucket, Reduction::Sum); }}, barrier);
+    const double mine = times[0], raw = times[1], in_bucket = times[2];
     const double factor = 2.0 * (world->size() - 1) / world->size();
     if (log.is_open()) {
       log << nlohmann::json{{"bytes", bytes}, {"seconds", mine}, {"raw_seconds", raw},
                             {"algbw_gbps", bytes / mine / 1e9}, {"busbw_gbps", bytes / mine / 1e9 * factor},
-                            {"raw_busbw_gbps", bytes / raw / 1e9 * factor}, {"busbw_ratio", raw / mine}}.dump()
+                            {"raw_busbw_gbps", bytes / raw / 1e9 * factor}, {"busbw_ratio", raw / mine},
+                            {"bucket_seconds", in_bucket}, {"bucket_busbw_gbps", bytes / in_bucket / 1e9 * factor}}
+                 .dump()
           << '\n';
     }
   }
@@ -141,12 +148,13 @@ int run_allreduce_bench(const AllreduceBenchConfig& c) {
   }
   fmt::print("gradsync bench allreduce: {} ranks, backend {}, median of {} (after {} warm-up)\n", c.world_size,
              c.backend, c.iterations, c.warmup);
-  fmt::print("  {:>12} {:>10} {:>12} {:>12} {:>10} {:>14} {:>8}\n", "bytes", "time ms", "algbw GB/s", "busbw GB/s",
-             "raw ms", "raw busbw GB/s", "ratio");
+  fmt::print("  {:>12} {:>10} {:>12} {:>12} {:>10} {:>14} {:>8} {:>10}\n", "bytes", "time ms", "algbw GB/s",
+             "busbw GB/s", "raw ms", "raw busbw GB/s", "ratio", "bucket ms");
   for (const auto& r : rows) {
-    fmt::print("  {:>12} {:>10.3f} {:>12.2f} {:>12.2f} {:>10.3f} {:>14.2f} {:>8.3f}\n", r["bytes"].get<int64_t>(),
-               1e3 * r["seconds"].get<double>(), r["algbw_gbps"].get<double>(), r["busbw_gbps"].get<double>(),
-               1e3 * r["raw_seconds"].get<double>(), r["raw_busbw_gbps"].get<double>(), r["busbw_ratio"].get<double>());
+    fmt::print("  {:>12} {:>10.3f} {:>12.2f} {:>12.2f} {:>10.3f} {:>14.2f} {:>8.3f} {:>10.3f}\n",
+               r["bytes"].get<int64_t>(), 1e3 * r["seconds"].get<double>(), r["algbw_gbps"].get<double>(),
+               r["busbw_gbps"].get<double>(), 1e3 * r["raw_seconds"].get<double>(), r["raw_busbw_gbps"].get<double>(),
+               r["busbw_ratio"].get<double>(), 1e3 * r["bucket_seconds"].get<double>());
   }
   return 0;
 }
