@@ -3,8 +3,7 @@
 // every N >= 2.
 #include <cmath>
 #include <cstdint>
-#include <fstream>
-#include <sstream>
+#include <cstdlib>
 
 #include <gtest/gtest.h>
 
@@ -25,24 +24,6 @@ void expect_all(const torch::Tensor& t, double value, const char* what, double r
   // Sums of powers of two are exact in float; a mean multiplies by 1/N first, so allow rounding there.
   WORKER_CHECK(torch::allclose(t, expected, rtol, rtol > 0 ? 1e-7 : 0), "{}: got {} expected {}", what,
                t.flatten()[0].item<double>(), value);
-}
-
-// The file mapped at `data` in this process (/proc/self/maps), "" for anonymous memory.
-std::string mapping_of(const void* data) {
-  std::ifstream maps("/proc/self/maps");
-  const auto address = reinterpret_cast<uintptr_t>(data);
-  for (std::string line; std::getline(maps, line);) {
-    std::istringstream fields(line);
-    std::string range, perms, offset, device, inode, path;
-    fields >> range >> perms >> offset >> device >> inode;
-    std::getline(fields >> std::ws, path);
-    const auto dash = range.find('-');
-    if (address >= std::stoull(range.substr(0, dash), nullptr, 16) &&
-        address < std::stoull(range.substr(dash + 1), nullptr, 16)) {
-      return path;
-    }
-  }
-  return "";
 }
 
 // Reduction buffers (DDP's buckets): zeros, summed whole and in parts at the same offset on every rank, again and
@@ -67,9 +48,13 @@ void check_reduction_buffers(gradsync::Collectives& comm) {
   wide.fill_(pow2(r));
   comm.allreduce_sum_async(wide).wait();
   expect_all(wide, sum, "float64 reduction buffer allreduce");
-  const std::string file = mapping_of(bucket.data_ptr());
+  const std::string file = t::mapped_file(bucket.data_ptr());
+  // Shared unless some rank switched it off (GRADSYNC_TEST_SHARING_OFF_ON_RANK: one rank did, see test_mpi.cpp),
+  // or /dev/shm is nearly full (the transport then falls back, rightly).
   const char* sharing = std::getenv("GRADSYNC_MPI_SHARED_BUCKETS");
-  const bool shared = comm.backend() == gradsync::Backend::Mpi && n > 1 && !(sharing && std::string(sharing) == "off");
+  const bool off = (sharing && std::string(sharing) == "off") || std::getenv("GRADSYNC_TEST_SHARING_OFF_ON_RANK");
+  const bool shared = comm.backend() == gradsync::Backend::Mpi && n > 1 && !off;
+  if (shared && t::free_shm_bytes() < (uint64_t{256} << 20)) return;
   WORKER_CHECK((file.find("/dev/shm/gradsync-") == 0) == shared, "reduction buffer mapped from '{}' on {} with {} "
                "rank(s); expected shared memory: {}", file, gradsync::to_string(comm.backend()), n, shared);
   WORKER_CHECK(!shared || file.find("(deleted)") != std::string::npos, "{} still has a name in /dev/shm", file);
@@ -78,6 +63,9 @@ void check_reduction_buffers(gradsync::Collectives& comm) {
 }  // namespace
 
 GRADSYNC_WORKER(collectives) {
+  const char* off_on = std::getenv("GRADSYNC_TEST_SHARING_OFF_ON_RANK");
+  const char* this_rank = std::getenv("OMPI_COMM_WORLD_RANK");
+  if (off_on && this_rank && std::string(off_on) == this_rank) setenv("GRADSYNC_MPI_SHARED_BUCKETS", "off", 1);
   auto world = gradsync::init({std::chrono::seconds(30), std::nullopt, std::nullopt});
   auto& comm = world->comm();
   const int r = world->rank();

@@ -3,8 +3,11 @@
 // scenario), `gradsync launch --backend mpi`, and failures: a rank that exits stops the job at once, a rank that
 // stalls makes the others fail at their timeout naming rank, operation and backend. Parity with PyTorch on this
 // backend is in test_parity.cpp and test_sharded_parity.cpp.
+#include <cmath>
+
 #include <gtest/gtest.h>
 
+#include "gradsync/ddp.h"
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
 #include "support/env_of.h"
@@ -66,11 +69,12 @@ TEST_P(MpiCollectives, SumMeanBroadcastGatherScatterAreExact) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, MpiCollectives, testing::Values(1, 2, 3, 4));
 
-// GRADSYNC_MPI_SHARED_BUCKETS=off: the same results with reduction buffers in plain memory (the worker checks
-// where they live); a value that is neither on nor off is refused, naming it.
-TEST(MpiCollectives, SharedBucketsSwitchedOffGiveTheSameSumsAndBadValuesAreRefused) {
+// GRADSYNC_MPI_SHARED_BUCKETS=off on one rank only (rank 1 sets it before init()): every rank must agree on plain
+// memory for reduction buffers (the worker checks where they live) and get the same sums; a value that is neither
+// on nor off is refused, naming it.
+TEST(MpiCollectives, SharedBucketsSwitchedOffOnOneRankGiveTheSameSumsAndBadValuesAreRefused) {
   auto off = within(60);
-  off.env = {{"GRADSYNC_MPI_SHARED_BUCKETS", "off"}};
+  off.env = {{"GRADSYNC_TEST_SHARING_OFF_ON_RANK", "1"}};
   auto r = t::run_mpi_ranks(3, t::worker_argv("collectives"), off);
   ASSERT_TRUE(r.ok()) << r.describe();
   EXPECT_NE(r.out.find("collectives ok on rank 2 of 3 (mpi)"), std::string::npos) << r.out;
@@ -130,6 +134,34 @@ TEST(MpiFaults, EveryRanksOwnErrorIsReportedAndNoRankAborts) {
     EXPECT_EQ(r.err.find("Signal: Aborted"), std::string::npos) << r.describe();
     EXPECT_NE(r.err.find("failed: rank "), std::string::npos) << r.describe();  // at least the first rank's own
   }
+}
+
+// DDP's gradients (bucket views) live in shared memory under mpirun and are the mean over ranks: rank r's input is
+// 2^r, so its gradient of sum(w . x) is 2^r and the mean (2^N - 1) / N. Two steps: the buckets are rebuilt between.
+GRADSYNC_WORKER(mpi_ddp_shared_grads) {
+  auto world = gradsync::init();
+  const int n = world->size();
+  auto model = torch::nn::Linear(torch::nn::LinearOptions(6, 1).bias(false));
+  gradsync::DistributedDataParallel ddp(model, world, gradsync::DdpOptions().gradient_as_bucket_view(true));
+  for (int step = 0; step < 2; ++step) {
+    ddp.zero_grad();
+    ddp.forward(torch::full({1, 6}, std::ldexp(1.0, world->rank()))).sum().backward();
+    const auto& grad = model->weight.grad();
+    const double mean = (std::ldexp(1.0, n) - 1) / n;
+    WORKER_CHECK(torch::allclose(grad, torch::full_like(grad, mean)), "step {}: gradient {} expected {}", step,
+                 grad.flatten()[0].item<double>(), mean);
+    const std::string file = t::mapped_file(grad.data_ptr());
+    WORKER_CHECK(file.find("/dev/shm/gradsync-") == 0, "step {}: .grad is mapped from '{}'", step, file);
+  }
+  fmt::print("shared gradients ok on rank {}\n", world->rank());
+  return 0;
+}
+
+TEST(MpiCollectives, DdpGradientsAreTheMeanInSharedMemory) {
+  if (t::free_shm_bytes() < (uint64_t{256} << 20)) GTEST_SKIP() << "/dev/shm is nearly full";
+  auto r = t::run_mpi_ranks(3, t::worker_argv("mpi_ddp_shared_grads"), within(60));
+  ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_NE(r.out.find("shared gradients ok on rank 2"), std::string::npos) << r.out;
 }
 
 class MpiEngineLoop : public testing::TestWithParam<const char*> {};

@@ -216,11 +216,16 @@ void Reducer::reset() {
 
 void Reducer::build_buckets(const std::vector<BucketPlan>& layout) {
   torch::NoGradGuard no_grad;
+  // Zeros, on MPI maybe shared memory. Collective, so all of them first: a rank whose allocation fails (a peer gone)
+  // keeps its old buckets whole.
+  std::vector<torch::Tensor> flats;
+  for (const auto& plan : layout) flats.push_back(world->comm().reduction_buffer(plan.numel, plan.dtype));
   buckets.clear();
   slots.assign(params.size(), Slot{});
-  for (const auto& plan : layout) {
+  for (size_t b = 0; b < layout.size(); ++b) {
+    const auto& plan = layout[b];
     Bucket bucket;
-    bucket.flat = world->comm().reduction_buffer(plan.numel, plan.dtype);  // zeros; on MPI maybe shared memory
+    bucket.flat = flats[b];
     for (const auto& entry : plan.entries) {
       auto& slot = slots[entry.param];
       slot.bucket = buckets.size();

@@ -13,8 +13,6 @@
 #define OMPI_SKIP_MPICXX 1  // the C API only: the deprecated C++ bindings need libmpi_cxx
 #include <mpi.h>
 
-#include <algorithm>
-#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -31,6 +29,7 @@
 #include <fmt/format.h>
 
 #include "gradsync/error.h"
+#include "runtime/mpi_shared_buckets.h"
 #include "runtime/shared_segment.h"
 #include "runtime/transport.h"
 
@@ -248,40 +247,15 @@ class WorkQueue : public std::enable_shared_from_this<WorkQueue> {
   bool eager_;
 };
 
-// The allreduce of a bucket in shared memory: every rank's slot is written before any rank reads it (the first
-// barrier), and every share is summed before any rank goes on to use or refill its slot (the second). The fences
-// order the plain loads and stores against the barriers' own synchronisation.
-int sum_in_place(MPI_Comm comm, const SharedSegment& segment, size_t offset, int64_t count,
-                 SharedSegment::Element element, int rank) {
-  if (const int code = MPI_Barrier(comm); code != MPI_SUCCESS) return code;
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  segment.sum_share(offset, count, element, rank);
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  return MPI_Barrier(comm);
-}
-
-// Whether every rank of `comm` runs on this host (MPI's shared-memory split); collective.
-bool all_on_one_host(MPI_Comm comm, int size) {
-  MPI_Comm host = MPI_COMM_NULL;
-  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &host) != MPI_SUCCESS) return false;
-  int host_size = 0;
-  MPI_Comm_size(host, &host_size);
-  MPI_Comm_free(&host);
-  return host_size == size;
-}
-
 // The operations capture the communicator by value, never the transport: a detached worker may still run them.
 class MpiTransport : public Transport {
  public:
-  MpiTransport(bool eager, bool shared_allowed)
-      : shared_allowed_(shared_allowed), queue_(std::make_shared<WorkQueue>(eager)) {
+  MpiTransport(bool eager, bool shared_allowed) : queue_(std::make_shared<WorkQueue>(eager)) {
     MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
     MPI_Comm_size(comm_, &size_);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // errors become exceptions, not an abort
-    // Every rank takes part in agreeing on each buffer, even one whose environment switched sharing off (it then
-    // votes for plain memory): a rank that skipped the agreement would leave the others waiting in it.
-    shared_buckets_ = size_ > 1 && all_on_one_host(comm_, size_);
+    shared_buckets_ = shared_buckets_possible(comm_, size_, shared_allowed);
     worker_ = std::thread([queue = queue_] { queue->run(); });
   }
 
@@ -337,54 +311,22 @@ class MpiTransport : public Transport {
     return submit([comm = comm_] { return MPI_Barrier(comm); });
   }
 
-  // A slot of a new shared segment when every rank could map one (GRADSYNC_MPI_SHARED_BUCKETS=off: never), else
-  // plain memory on every rank. The tensor keeps its segment mapped; the segment is found again by address.
+  // A slot of a new shared segment when every rank could map one (GRADSYNC_MPI_SHARED_BUCKETS=off on any rank:
+  // never), else plain memory on every rank. The tensor keeps its segment mapped; the segment is found again by address.
   torch::Tensor reduction_buffer(int64_t numel, c10::ScalarType dtype, std::chrono::milliseconds timeout) override {
     if (!shared_buckets_ || numel == 0 || !shared_element(dtype)) {
       return Transport::reduction_buffer(numel, dtype, timeout);
     }
     constexpr size_t kPage = 4096;
     const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(dtype);
-    auto segment = agree_on_segment((bytes + kPage - 1) / kPage * kPage, timeout);
+    auto segment = agree_on_segment(comm_, rank_, size_, (bytes + kPage - 1) / kPage * kPage,
+                                    [this](std::function<int()> run) { return submit(std::move(run)); }, timeout);
     if (!segment) return Transport::reduction_buffer(numel, dtype, timeout);
     segments_.add(segment);
     return torch::from_blob(segment->slot(rank_), {numel}, [segment](void*) {}, torch::TensorOptions().dtype(dtype));
   }
 
  private:
-  // Rank 0 creates a segment and broadcasts its name, the others map it, and all agree whether every rank could
-  // (else every rank takes plain memory); then rank 0 removes the name, so the memory lives only while mapped.
-  std::shared_ptr<SharedSegment> agree_on_segment(size_t slot_bytes, std::chrono::milliseconds timeout) {
-    auto name = std::make_shared<std::array<char, 64>>();  // shared with the operations: a wait may time out
-    std::shared_ptr<SharedSegment> segment;
-    struct UnlinkOnExit {  // rank 0's name must not outlive the agreement, whichever way it ends
-      std::string name;
-      ~UnlinkOnExit() { if (!name.empty()) SharedSegment::unlink(name); }
-    } created;
-    if (rank_ == 0 && shared_allowed_) {
-      static std::atomic<uint64_t> serial{0};  // per process: two Worlds' segments must not share a name
-      const auto chosen = fmt::format("/gradsync-{}-{}", getpid(), ++serial);
-      try {
-        segment = SharedSegment::create(chosen, slot_bytes, size_);
-        created.name = chosen;
-        chosen.copy(name->data(), name->size() - 1);
-      } catch (const std::system_error&) {  // no room in /dev/shm: plain memory, still correct
-      }
-    }
-    submit([comm = comm_, name] { return MPI_Bcast(name->data(), 64, MPI_CHAR, 0, comm); })->wait(timeout);
-    if (rank_ != 0 && (*name)[0] && shared_allowed_) {
-      try {
-        segment = SharedSegment::open(name->data(), slot_bytes, size_);
-      } catch (const std::system_error&) {
-      }
-    }
-    auto all_mapped = std::make_shared<int>(segment ? 1 : 0);
-    submit([comm = comm_, all_mapped] {
-      return MPI_Allreduce(MPI_IN_PLACE, all_mapped.get(), 1, MPI_INT, MPI_MIN, comm);
-    })->wait(timeout);
-    return *all_mapped ? segment : nullptr;
-  }
-
   static int byte_count(const torch::Tensor& t) {
     const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
     if (bytes > std::numeric_limits<int>::max()) {
@@ -399,8 +341,7 @@ class MpiTransport : public Transport {
   MPI_Comm comm_ = MPI_COMM_NULL;
   int size_ = 0;
   int rank_ = 0;
-  bool shared_allowed_;          // GRADSYNC_MPI_SHARED_BUCKETS on this rank
-  bool shared_buckets_ = false;  // every rank on this host: reduction buffers are agreed on, maybe shared
+  bool shared_buckets_ = false;  // every rank on this host and allowing it: buffers are agreed on, maybe shared
   SegmentRegistry segments_;  // the reduction buffers' segments, to find them again in allreduce_sum()
   std::shared_ptr<WorkQueue> queue_;
   std::thread worker_;

@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 namespace gradsync {
@@ -17,6 +18,18 @@ namespace {
 
 [[noreturn]] void fail(int error, const std::string& what) {
   throw std::system_error(error, std::generic_category(), what);
+}
+
+// /dev/shm serves others too (Open MPI's own segments, other programs' shared tensors): a segment takes at most half
+// of what is free there.
+void check_room(size_t bytes) {
+  struct statvfs fs {};
+  if (::statvfs("/dev/shm", &fs) != 0) return;  // shm_open and posix_fallocate decide
+  const auto free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  if (bytes > free_bytes / 2) {
+    fail(ENOSPC, std::to_string(bytes) + " bytes asked of /dev/shm, " + std::to_string(free_bytes) +
+                     " free; a segment takes at most half");
+  }
 }
 
 class Fd {  // closes on every path; the mapping outlives it
@@ -64,7 +77,9 @@ void sum_range(const std::vector<T*>& slots, int64_t begin, int64_t end) {
 template <typename T>
 void sum_share_of(const SharedSegment& segment, size_t offset, int64_t count, int rank) {
   const int n = segment.slots();
-  constexpr int64_t kLine = 64 / sizeof(T);  // shares start on cache lines: no line is written by two ranks
+  // Shares are cut at multiples of a cache line from `offset`: when that is aligned too (a whole bucket is, at the
+  // start of its slot), no line is written by two ranks.
+  constexpr int64_t kLine = 64 / sizeof(T);
   const int64_t share = (count + n - 1) / n;
   const int64_t per_rank = (share + kLine - 1) / kLine * kLine;
   const int64_t begin = std::min(count, per_rank * rank);
@@ -84,6 +99,7 @@ std::shared_ptr<SharedSegment> SharedSegment::map(int fd, size_t slot_bytes, int
 }
 
 std::shared_ptr<SharedSegment> SharedSegment::create(const std::string& name, size_t slot_bytes, int slots) {
+  check_room(slot_bytes * static_cast<size_t>(slots));
   Fd fd(::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600));
   if (fd.get() < 0) fail(errno, "shm_open(" + name + ")");
   const off_t bytes = static_cast<off_t>(slot_bytes * static_cast<size_t>(slots));
@@ -96,7 +112,12 @@ std::shared_ptr<SharedSegment> SharedSegment::create(const std::string& name, si
     ::shm_unlink(name.c_str());
     fail(error, "reserving " + std::to_string(bytes) + " bytes for " + name + " in /dev/shm");
   }
-  return map(fd.get(), slot_bytes, slots);
+  try {
+    return map(fd.get(), slot_bytes, slots);
+  } catch (const std::system_error&) {
+    ::shm_unlink(name.c_str());
+    throw;
+  }
 }
 
 std::shared_ptr<SharedSegment> SharedSegment::open(const std::string& name, size_t slot_bytes, int slots) {

@@ -19,7 +19,8 @@ class SharedSegment {
   enum class Element { Float32, Float64 };  // what sum_share() adds
 
   // A new segment `name` ("/gradsync-..."), slots x slot_bytes, zero-filled, its memory reserved now: a /dev/shm
-  // too small fails here (std::system_error) rather than with SIGBUS at the first write.
+  // too small fails here (std::system_error) rather than with SIGBUS at the first write, and so does a segment
+  // that would take more than half of the space free there.
   static std::shared_ptr<SharedSegment> create(const std::string& name, size_t slot_bytes, int slots);
   // Maps the segment another rank created; std::system_error when it is missing or smaller than expected.
   static std::shared_ptr<SharedSegment> open(const std::string& name, size_t slot_bytes, int slots);

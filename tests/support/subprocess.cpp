@@ -6,6 +6,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -309,6 +310,27 @@ size_t line_count(const std::string& path) {
   size_t n = 0;
   for (std::string line; std::getline(in, line);) ++n;
   return n;
+}
+
+std::string mapped_file(const void* address) {
+  std::ifstream maps("/proc/self/maps");
+  const auto at = reinterpret_cast<uintptr_t>(address);
+  for (std::string line; std::getline(maps, line);) {
+    std::istringstream fields(line);
+    std::string range, perms, offset, device, inode, path;
+    fields >> range >> perms >> offset >> device >> inode;
+    std::getline(fields >> std::ws, path);
+    const auto dash = range.find('-');
+    if (at >= std::stoull(range.substr(0, dash), nullptr, 16) && at < std::stoull(range.substr(dash + 1), nullptr, 16)) {
+      return path;
+    }
+  }
+  return "";
+}
+
+uint64_t free_shm_bytes() {
+  struct statvfs fs {};
+  return ::statvfs("/dev/shm", &fs) == 0 ? static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize : 0;
 }
 
 std::vector<std::string> listeners_on(int port) {

@@ -87,6 +87,10 @@ std::string make_temp_dir(const std::string& prefix);  // a fresh directory unde
 int free_port();  // a TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read, close)
 std::vector<pid_t> children_of(pid_t pid);  // its child processes (/proc/<pid>/task/<pid>/children)
 size_t line_count(const std::string& path);  // lines in a file (0 when it does not exist): a log's progress
+// The file this process maps at `address` (/proc/self/maps; "/dev/shm/name (deleted)" once unlinked), "" when the
+// memory there is anonymous.
+std::string mapped_file(const void* address);
+uint64_t free_shm_bytes();  // what /dev/shm has free (statvfs), 0 when it cannot tell
 // Local addresses ("0100007F:1F90": 127.0.0.1:8080, in /proc/net's hex) of the sockets listening on `port`, from
 // /proc/net/tcp and /proc/net/tcp6.
 std::vector<std::string> listeners_on(int port);
