@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 
@@ -393,6 +394,27 @@ int supervise_restarts(const TrainConfig& c, std::vector<std::string> argv) {
 
 }  // namespace
 
+namespace {
+
+// One rank of a launched job. Its error is printed while its World still lives: destroying the World closes the
+// connections, the other ranks then fail too (a rank writing to a closed socket dies of SIGPIPE), and the launcher
+// may stop this rank before main() could print why the job failed.
+int run_rank(const TrainConfig& c, std::shared_ptr<World> world) {
+  try {
+    auto records = train_rank(c, world);
+    if (world->is_main()) print_summary(c, records, world->size());
+    return 0;
+  } catch (const c10::Error& e) {
+    fmt::print(stderr, "gradsync: error: {}\n", e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "gradsync: error: {}\n", e.what());
+  }
+  std::fflush(stderr);
+  return 1;
+}
+
+}  // namespace
+
 int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
   // (argv: this program's arguments, used to start the ranks)
   if (c.max_restarts > 0 && !under_launcher()) return supervise_restarts(c, argv);
@@ -409,10 +431,7 @@ int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
                                     env.world_size));
     }
     validate(c, env.world_size);
-    auto world = init(init_options(c, env));
-    auto records = train_rank(c, world);
-    if (world->is_main()) print_summary(c, records, world->size());
-    return 0;
+    return run_rank(c, init(init_options(c, env)));
   }
   const int n = std::max(c.world_size, 1);
   validate(c, n);  // fail here, once, before any rank starts
