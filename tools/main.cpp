@@ -1,5 +1,4 @@
 // The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/, bench/).
-#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
@@ -7,8 +6,6 @@
 #include <malloc.h>
 
 #include <CLI/CLI.hpp>
-#include <c10/util/Exception.h>
-#include <fmt/format.h>
 
 #include "bench/bench.h"
 #include "lab/lab.h"
@@ -46,13 +43,9 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
-  } catch (const c10::Error& e) {
-    // libtorch's own errors carry a C++ backtrace that helps nobody running the CLI.
-    fmt::print(stderr, "gradsync: error: {}\n", e.what_without_backtrace());
-    return 1;
   } catch (const std::exception& e) {
     // Library code throws; only the CLI turns an error into an exit status.
-    fmt::print(stderr, "gradsync: error: {}\n", e.what());
+    gradsync::cli::print_error(e);
     return 1;
   }
   return exit_code;

@@ -17,6 +17,20 @@ namespace gradsync {
 
 const char* to_string(Backend backend) { return backend == Backend::Mpi ? "mpi" : "gloo"; }
 
+namespace {
+
+// A transport's failure of the operation `what` as gradsync reports it. Transports name only addresses; this says
+// which rank and which operation, and which peer is to blame when this host can tell (a stopped or vanished rank),
+// or where to look.
+DistributedError operation_failed(const std::string& what, const std::exception& e) {
+  const auto stalled = describe_stalled_peers();
+  return DistributedError(fmt::format("{} failed: {}{}", what, e.what(),
+                                      stalled.empty() ? " (another rank exited, crashed or stalled; the launcher's "
+                                                        "report names it)" : stalled));
+}
+
+}  // namespace
+
 PendingWork::PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout)
     : work_(std::move(work)), what_(std::move(what)), timeout_(timeout) {}
 
@@ -26,12 +40,7 @@ void PendingWork::wait() {
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
-    // Transports name only addresses; say which rank and which operation, and which peer is to blame when this
-    // host can tell (a stopped or vanished rank), or where to look.
-    const auto stalled = describe_stalled_peers();
-    throw DistributedError(fmt::format("{} failed: {}{}", what_, e.what(),
-                                       stalled.empty() ? " (another rank exited, crashed or stalled; the launcher's "
-                                                         "report names it)" : stalled));
+    throw operation_failed(what_, e);
   }
   if (then_) std::exchange(then_, nullptr)();
 }
@@ -91,7 +100,7 @@ torch::Tensor Collectives::reduction_buffer(int64_t numel, c10::ScalarType dtype
     return transport_->reduction_buffer(numel, dtype, timeout_);
   } catch (const std::runtime_error& e) {
     if (dynamic_cast<const Error*>(&e)) throw;  // already says what is wrong (ConfigError)
-    throw DistributedError(fmt::format("{} failed: {}", what, e.what()));
+    throw operation_failed(what, e);  // the agreement's broadcast or allreduce
   }
 }
 

@@ -347,11 +347,6 @@ class MpiTransport : public Transport {
   std::thread worker_;
 };
 
-// When an operation starts. Eagerly (at submission) its bytes move while the caller computes: right when the worker
-// thread has a core of its own. On a host whose cores the ranks' compute threads already fill, the worker would
-// take cycles from backward instead (measured here, 2 cores, 2 ranks x 1 thread: DDP 0.5 ms and FSDP 2-3 ms slower
-// per step), so there an operation starts when someone waits for it, in submission order.
-// GRADSYNC_MPI_PROGRESS=eager|on-wait overrides the rule.
 // Which of two values the environment variable `name` holds: true for `yes`, false for `no`, `fallback` when unset
 // or empty; any other value is a ConfigError naming it.
 bool env_switch(const char* name, const char* yes, const char* no, bool fallback) {
@@ -362,6 +357,11 @@ bool env_switch(const char* name, const char* yes, const char* no, bool fallback
   return mode == yes;
 }
 
+// When an operation starts. Eagerly (at submission) its bytes move while the caller computes: right when the worker
+// thread has a core of its own. On a host whose cores the ranks' compute threads already fill, the worker would
+// take cycles from backward instead (measured here, 2 cores, 2 ranks x 1 thread: DDP 0.5 ms and FSDP 2-3 ms slower
+// per step), so there an operation starts when someone waits for it, in submission order.
+// GRADSYNC_MPI_PROGRESS=eager|on-wait overrides the rule.
 bool starts_eagerly(const LaunchEnv& env) {
   const long cores = sysconf(_SC_NPROCESSORS_ONLN);
   return env_switch("GRADSYNC_MPI_PROGRESS", "eager", "on-wait",

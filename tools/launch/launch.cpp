@@ -14,12 +14,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <optional>
 #include <system_error>
 #include <utility>
 
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -379,6 +381,12 @@ int launch(const LaunchOptions& options) {
     }
     report("restarting the group ({} of {})", attempt + 1, options.max_restarts);
   }
+}
+
+void print_error(const std::exception& e) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  fmt::print(stderr, "gradsync: error: {}\n", torch_error ? torch_error->what_without_backtrace() : e.what());
+  std::fflush(stderr);
 }
 
 }  // namespace gradsync::cli

@@ -3,6 +3,7 @@
 // launch.cpp, the subcommand launch_command.cpp; how a child is started is spawn.h.
 #pragma once
 #include <chrono>
+#include <exception>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,5 +57,9 @@ int launch(const LaunchOptions& options);
 
 // `gradsync launch`: adds the subcommand to `root`; its callback stores the exit status in `exit_code`.
 void add_launch_command(CLI::App& root, int& exit_code);
+
+// How a gradsync process reports the error it exits with: "gradsync: error: <what>" on stderr, libtorch's errors
+// without their C++ backtrace (which helps nobody running the CLI).
+void print_error(const std::exception& e);
 
 }  // namespace gradsync::cli

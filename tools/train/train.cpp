@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cerrno>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <map>
 
@@ -404,12 +403,9 @@ int run_rank(const TrainConfig& c, std::shared_ptr<World> world) {
     auto records = train_rank(c, world);
     if (world->is_main()) print_summary(c, records, world->size());
     return 0;
-  } catch (const c10::Error& e) {
-    fmt::print(stderr, "gradsync: error: {}\n", e.what_without_backtrace());
   } catch (const std::exception& e) {
-    fmt::print(stderr, "gradsync: error: {}\n", e.what());
+    print_error(e);
   }
-  std::fflush(stderr);
   return 1;
 }
 
