@@ -14,6 +14,7 @@ PACKAGES=(
   python3-torch           # reference implementation in tests only, never linked
   dataset-fashion-mnist   # the lab's real data
   gnuplot-nox             # the lab's plots
+  fortunes fortunes-min   # real text for the GPT (--data fortunes, the lab's tokens experiment)
 )
 
 SUDO=""

@@ -119,7 +119,12 @@ INSTANTIATE_TEST_SUITE_P(
         ParityCase{"N3_K2_res_adam", "res:9-11-2-5", "ce", 90, 3, 2, 18, {"--optimizer", "adam", "--steps", "6"}},
         // Frozen parameters are neither hooked nor reduced; biases and norm weights in a group without decay.
         ParityCase{"N2_K1_res_frozen_no_decay", "res:8-10-2-3", "ce", 64, 2, 1, 16,
-                   {"--freeze", "inp.", "--no-decay-1d", "--weight-decay", "0.1", "--momentum", "0.9", "--steps", "5"}}),
+                   {"--freeze", "inp.", "--no-decay-1d", "--weight-decay", "0.1", "--momentum", "0.9", "--steps", "5"}},
+        // gpt:V-T-D-L-H on ragged token sequences: each micro-batch's loss the mean over its valid tokens (targets
+        // != -100), DDP's mean over ranks of the 1/K-scaled sums; the tied wte gets both of its gradients.
+        ParityCase{"N2_K2_gpt_sgd_momentum", "gpt:17-8-12-2-3", "ce", 64, 2, 2, 16,
+                   {"--momentum", "0.9", "--lr", "0.1", "--steps", "6"}},
+        ParityCase{"N3_K1_gpt_adam", "gpt:13-6-8-1-2", "ce", 60, 3, 1, 12, {"--optimizer", "adam", "--steps", "5"}}),
     [](const testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
 // The test can fail: gradsync with Reduction::Sum must NOT match PyTorch DDP (which averages).

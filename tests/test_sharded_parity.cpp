@@ -160,5 +160,10 @@ INSTANTIATE_TEST_SUITE_P(
         ShardedParityCase{"N2_K1_cnn_frozen_conv_no_decay", "cnn:3-4-10", "ce", 40, 2, 1, 8,
                           {"--optimizer", "adam", "--weight-decay", "0.05", "--no-decay-1d", "--freeze", "1.",
                            "--steps", "4"},
-                          {{"--strategy", "fsdp-full", "--wrap", "type:Conv2d,Linear"}, {"--strategy", "zero1"}}}),
+                          {{"--strategy", "fsdp-full", "--wrap", "type:Conv2d,Linear"}, {"--strategy", "zero1"}}},
+        // A gpt with its blocks as units; the tied wte (first and last layer) stays in the root unit.
+        ShardedParityCase{"N2_K2_gpt_adam", "gpt:17-8-12-2-3", "ce", 48, 2, 2, 16, {"--optimizer", "adam", "--steps", "4"},
+                          {{"--strategy", "fsdp-full", "--wrap", "type:Block"},
+                           {"--strategy", "fsdp-grad-op", "--wrap", "list:blocks.0,blocks.1"},
+                           {"--strategy", "zero1"}}}),
     [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });

@@ -70,7 +70,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from torch_train import (UsageError, build_model, env_world_size, exit_without_destructors,  # noqa: E402
-                         load_dataset_file, load_init_state, parse_model_spec, set_up_torch)
+                         load_dataset_file, load_init_state, model_io_sizes, parse_model_spec, set_up_torch)
 
 PROG = "join_reference.py"
 
@@ -105,7 +105,11 @@ def parse_batches(text):
 
 def validate(args, world):
     """Checks everything that does not need files; returns the batch counts. Raises UsageError."""
-    batch_norm, _ = parse_model_spec(args.model)
+    kind, _ = parse_model_spec(args.model)
+    if kind == "gpt":
+        raise UsageError(f"--model {args.model}: join_reference.py takes feature models (mlp, mlp-bn, cnn, "
+                         f"res), not gpt")
+    batch_norm = kind == "mlp-bn"
     counts = parse_batches(args.batches)
     if len(counts) != world:
         raise UsageError(f"--batches has {len(counts)} entries but the world size is {world}; give one "
@@ -127,8 +131,8 @@ def validate(args, world):
 
 
 def load_inputs(args, counts):
-    _, sizes = parse_model_spec(args.model)
-    X, Y = load_dataset_file(args.data, sizes[0], sizes[-1], "ce")
+    in_size, out_size = model_io_sizes(args.model)
+    X, Y = load_dataset_file(args.data, in_size, out_size, "ce")
     need = sum(counts) * args.batch_size
     if X.shape[0] < need:
         raise UsageError(f"data {args.data!r} has {X.shape[0]} rows but --batches {args.batches} x "

@@ -62,7 +62,9 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
 
-    _, sizes = parse_model_spec(a.model)
+    kind, sizes = parse_model_spec(a.model)
+    if kind == "gpt":
+        p.error(f"--model {a.model}: gpt (token data) is not supported here, only the feature models")
     X, Y = load_dataset(a.data, sizes[0], sizes[-1], a.loss, a.seed)
     n, N, K = X.shape[0], a.ranks, a.accumulate
     if a.global_batch % (N * K):

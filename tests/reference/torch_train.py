@@ -10,7 +10,7 @@ Usage:
                  [--weight-decay F] [--loss ce|mse] [--loss-reduction mean|sum]
                  [--steps S | --epochs E] [--seed S] [--shuffle | --no-shuffle]
                  [--init-state FILE] [--save-state FILE] [--log FILE.jsonl] [--comm-hook none|fp16]
-                 [--freeze PREFIX[,PREFIX...]] [--no-decay-1d] [--save-optim FILE]
+                 [--freeze PREFIX[,PREFIX...]] [--no-decay-1d] [--save-optim FILE] [--dtype fp32|fp64]
 
   Multi-rank: gradsync launch -n N -- /usr/bin/python3 torch_train.py ...
           or: torchrun --standalone --nproc_per_node N --no_python /usr/bin/python3 torch_train.py ...
@@ -21,9 +21,14 @@ Model specs:  mlp:IN-H1-...-OUT     Linear, ReLU, ..., Linear
               cnn:C1-C2-OUT         Unflatten(1,(1,28,28)), Conv2d(1,C1,3,p=1), ReLU, MaxPool2d(2),
                                     Conv2d(C1,C2,3,p=1), ReLU, MaxPool2d(2), Flatten, Linear(C2*49,OUT)
               res:IN-H-B-OUT        Res(IN, H, B, OUT): inp Linear, B Blocks h + fc(relu(norm(h))), out Linear
+              gpt:V-T-D-L-H         causal language model (gpt.py): vocabulary V, context T, width D,
+                                    L blocks, H heads; all > 0, D divisible by H; built by make_gpt
+                                    (init_gpt_ after torch.manual_seed(seed)); takes token data only
 Data specs:   fashion-mnist[:train|:test]   ($GRADSYNC_FASHION_MNIST_DIR overrides the directory)
               synthetic:N                    (generator recipe in load_synthetic)
               PATH                           torch.save({"inputs": X, "targets": Y}, PATH)
+              fortunes[:train|:test]         gpt only: byte tokens of the fortune files (see Token data)
+              text:PATH | text-test:PATH     gpt only: byte tokens of one text file, train / held-out split
 
 Semantics (mirrored by the C++ side):
   * per-rank micro-batch b = B / (N * K); rank r iterates
@@ -50,15 +55,45 @@ Semantics (mirrored by the C++ side):
     the layout of FSDP.full_optim_state_dict.
   * log "loss" = sum over the group of float(loss / K'), all_reduce(SUM) / N in float64 (only done when
     --log is given; every rank takes part); "samples" counts DistributedSampler padding repeats too.
+  * --dtype fp32|fp64 (default fp32): after --init-state is loaded (into the float32 model; a state of
+    another dtype is cast to float32 by load_state_dict), the whole model is converted with
+    model.to(dtype) before DDP wraps it; float data (inputs of non-gpt models, mse targets) is cast to
+    that dtype, so the forward pass, the loss and the gradients are in that dtype (DDP all-reduces
+    them in it; under --comm-hook fp16 the bucket is cast from that dtype to float16 and back), and the
+    saved state and optimizer state are in that dtype. Token ids and class labels stay int64.
 
 Defaults: --strategy ddp, --optimizer sgd, --lr 0.01 (sgd) / 1e-3 (adam), --momentum 0, --weight-decay 0,
---loss ce, --loss-reduction mean, --seed 0, --shuffle, --accumulate 1, --comm-hook none.
+--loss ce, --loss-reduction mean, --seed 0, --shuffle, --accumulate 1, --comm-hook none, --dtype fp32.
 
 Data files: inputs of any real dtype, reshaped to float32 [n, IN]. ce: targets must be integer class
 labels [n] in [0, OUT). mse: float targets reshaped to [n, OUT], or integer labels [n] which become
 one-hot float32 [n, OUT] (as for fashion-mnist). fashion-mnist needs IN=784; labels must be < OUT.
 
-A micro-batch of 1 sample through BatchNorm1d in training mode is an error (as in torch).
+Token data (gpt models only, and gpt models take nothing else; a sample is a sequence):
+  * a data file PATH for gpt: {"inputs": int64 [S, L], "targets": int64 [S, L]} with 1 <= L <= T,
+    inputs in [0, V), targets in [0, V) or -100 (IGNORE: not trained on). Kept int64.
+  * fortunes[:train|:test], text:PATH, text-test:PATH: byte-level tokens, V must be 256. The files:
+    fortunes reads the directory $GRADSYNC_FORTUNES_DIR if set and non-empty, else
+    /usr/share/games/fortunes, taking the regular files directly in it whose name contains no '.'
+    (not *.dat, *.u8, symlinks or subdirectories), sorted by name (byte order); text:PATH reads PATH.
+    A file's documents: its bytes split into lines at b'\n' (a final line without '\n' counts, the empty
+    remainder after a final '\n' does not); a line exactly b'%' ends the current document; any other
+    line adds its bytes plus b'\n' to the current document; the document in progress at the end of the
+    file counts too. Documents of fewer than 2 bytes are dropped; the rest are numbered i = 0, 1, ... over
+    all files in order: i % 10 == 9 is the held-out split (fortunes:test, text-test:PATH), the others the
+    train split (fortunes, fortunes:train, text:PATH). A document d of n bytes gives the sequences
+    start = 0, T, 2T, ... while start + 1 < n: chunk = d[start : start + T + 1]; inputs = chunk[:-1]
+    right-padded with 0 to T, targets = chunk[1:] right-padded with -100 to T (documents in order, chunks
+    in order); inputs and targets int64 [S, T]. tests/reference/text_tokens.py writes them as a data file.
+  * loss ce only (--loss mse is an error): F.cross_entropy(logits.reshape(-1, V), targets.reshape(-1),
+    ignore_index=-100, reduction=--loss-reduction) on the micro-batch's logits [b, L, V], i.e. the mean
+    over its valid tokens (or their sum), then divided by K' as above. Under --loss-reduction mean a
+    micro-batch whose targets are all -100 has the token mean 0/0: every rank checks the whole schedule
+    (all ranks' sampler indices, before the process group starts) and the run fails with exit status 2,
+    naming the first such step and rank, instead of training on NaN.
+
+A micro-batch of 1 sample through BatchNorm1d in training mode is an error (as in torch); so is, under
+--loss-reduction mean, a gpt micro-batch without a valid token (see Token data).
 Exit status: 0 success; 2 bad arguments or inputs (message on stderr).
 """
 import argparse
@@ -77,40 +112,59 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import UsageError, check_gpt_sizes, make_gpt  # noqa: E402  (UsageError is defined in gpt.py)
+
 PROG = "torch_train.py"
 DEFAULT_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
-MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn|cnn|res):([0-9]+(?:-[0-9]+)+)$")
-
-
-class UsageError(Exception):
-    """A bad argument or input; reported as `<prog>: error: ...` with exit status 2."""
+DEFAULT_FORTUNES_DIR = "/usr/share/games/fortunes"
+MODEL_SPEC_RE = re.compile(r"^(mlp|mlp-bn|cnn|res|gpt):([0-9]+(?:-[0-9]+)+)$")
+IGNORE = -100  # a target that is not trained on (cross_entropy's ignore_index)
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 # ---------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------
 def parse_model_spec(spec):
-    """'mlp:8-16-4' -> (batch_norm=False, [8, 16, 4]); 'cnn:C1-C2-OUT' -> (False, [784, C1, C2, OUT]).
-    Raises UsageError on a malformed spec."""
+    """'mlp:8-16-4' -> ('mlp', [8, 16, 4]); 'cnn:C1-C2-OUT' -> ('cnn', [784, C1, C2, OUT]);
+    'gpt:V-T-D-L-H' -> ('gpt', [V, T, D, L, H]). For every kind but gpt, sizes[0] is the input size IN and
+    sizes[-1] the output size OUT (model_io_sizes). Raises UsageError on a malformed spec."""
     m = MODEL_SPEC_RE.match(spec or "")
     if not m:
         raise UsageError(
             f"model spec {spec!r} is malformed; expected mlp:IN-H1-...-OUT, mlp-bn:IN-H1-...-OUT, "
-            f"cnn:C1-C2-OUT or res:IN-H-B-OUT, all positive integers (e.g. mlp:784-256-10)")
+            f"cnn:C1-C2-OUT, res:IN-H-B-OUT or gpt:V-T-D-L-H, all positive integers (e.g. mlp:784-256-10)")
+    kind = m.group(1)
     sizes = [int(s) for s in m.group(2).split("-")]
+    if kind == "gpt":
+        if len(sizes) != 5:
+            raise UsageError(f"model spec {spec!r}: gpt takes exactly V-T-D-L-H (vocabulary, context, width, "
+                             f"blocks, heads), e.g. gpt:256-64-128-4-4")
+        check_gpt_sizes(*sizes, what=f"model spec {spec!r}")
+        return kind, sizes
     if any(s <= 0 for s in sizes):
         raise UsageError(f"model spec {spec!r}: every layer size must be > 0, got {sizes}")
-    if m.group(1) == "cnn":
+    if kind == "cnn":
         if len(sizes) != 3:
             raise UsageError(f"model spec {spec!r}: cnn takes exactly C1-C2-OUT")
         sizes = [28 * 28] + sizes
-    if m.group(1) == "res" and len(sizes) != 4:
+    if kind == "res" and len(sizes) != 4:
         raise UsageError(f"model spec {spec!r}: res takes exactly IN-H-B-OUT")
-    return m.group(1) == "mlp-bn", sizes
+    return kind, sizes
+
+
+def model_io_sizes(spec):
+    """(IN, OUT) of a non-gpt model spec; UsageError for gpt, whose data are tokens, not feature vectors."""
+    kind, sizes = parse_model_spec(spec)
+    if kind == "gpt":
+        raise UsageError(f"model spec {spec!r}: a gpt model has no IN/OUT feature sizes; it takes token data")
+    return sizes[0], sizes[-1]
 
 
 def build_cnn(c1, c2, out):
@@ -145,12 +199,16 @@ class Res(nn.Module):
 
 
 def build_model(spec):
-    """nn.Sequential with state-dict keys '0.weight', '1.running_mean', ... or Res (see module docstring)."""
-    batch_norm, sizes = parse_model_spec(spec)
-    if spec.startswith("cnn:"):
+    """nn.Sequential with state-dict keys '0.weight', '1.running_mean', ..., Res or Gpt (module docstring).
+    gpt models are initialised by make_gpt with the global RNG."""
+    kind, sizes = parse_model_spec(spec)
+    batch_norm = kind == "mlp-bn"
+    if kind == "cnn":
         return build_cnn(*sizes[1:])
-    if spec.startswith("res:"):
+    if kind == "res":
         return Res(*sizes)
+    if kind == "gpt":
+        return make_gpt(*sizes)
     layers = []
     for i in range(len(sizes) - 1):
         layers.append(nn.Linear(sizes[i], sizes[i + 1]))
@@ -222,15 +280,21 @@ def _labels_for_loss(Y, out_size, loss, what):
     return torch.nn.functional.one_hot(Y, out_size).to(torch.float32)
 
 
-def load_dataset_file(path, in_size, out_size, loss):
+def _load_data_dict(path, what):
+    """torch.load of a data file holding {"inputs": ..., "targets": ...}; UsageError otherwise."""
     if not os.path.isfile(path):
-        raise UsageError(f"data {path!r} is neither 'fashion-mnist', 'synthetic:N' nor an existing file")
+        raise UsageError(f"data {path!r} is neither {what} nor an existing file")
     try:
         obj = torch.load(path, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad input
         raise UsageError(f"cannot load data file {path!r} with torch.load: {e}")
     if not isinstance(obj, dict) or "inputs" not in obj or "targets" not in obj:
         raise UsageError(f"data file {path!r} must hold a dict with keys 'inputs' and 'targets'")
+    return obj
+
+
+def load_dataset_file(path, in_size, out_size, loss):
+    obj = _load_data_dict(path, "'fashion-mnist', 'synthetic:N'")
     X, Y = torch.as_tensor(obj["inputs"]), torch.as_tensor(obj["targets"])
     if X.dim() < 1:
         raise UsageError(f"data file {path!r}: 'inputs' must have a sample dimension, got a scalar")
@@ -262,6 +326,9 @@ def load_dataset_file(path, in_size, out_size, loss):
 
 
 def load_dataset(spec, in_size, out_size, loss, seed):
+    """Feature data (X float32 [n, IN], Y) for the non-gpt models."""
+    if is_token_spec(spec):
+        raise UsageError(f"data {spec!r} is token data, for gpt:V-T-D-L-H models only")
     if spec in ("fashion-mnist", "fashion-mnist:train", "fashion-mnist:test"):
         return load_fashion_mnist("test" if spec.endswith(":test") else "train", in_size, out_size, loss)
     if spec.startswith("synthetic:"):
@@ -272,14 +339,161 @@ def load_dataset(spec, in_size, out_size, loss, seed):
     return load_dataset_file(spec, in_size, out_size, loss)
 
 
+# Token data (gpt models) --------------------------------------------------------------------------
+def is_token_spec(spec):
+    """fortunes[:train|:test], text:PATH or text-test:PATH (byte-level text)."""
+    return spec in ("fortunes", "fortunes:train", "fortunes:test") or spec.startswith(("text:", "text-test:"))
+
+
+def fortune_files():
+    """The fortune files: regular files directly in $GRADSYNC_FORTUNES_DIR (if set and non-empty) or
+    /usr/share/games/fortunes whose name has no '.', no symlinks or directories, sorted by name bytes."""
+    d = os.environ.get("GRADSYNC_FORTUNES_DIR") or DEFAULT_FORTUNES_DIR
+    try:
+        with os.scandir(d) as it:
+            names = sorted(os.fsencode(e.name) for e in it
+                           if "." not in e.name and e.is_file(follow_symlinks=False))
+    except OSError as e:
+        raise UsageError(f"cannot read the fortunes directory {d!r}: {e} (install the fortune files, e.g. "
+                         f"`apt-get install fortunes-min`, or set $GRADSYNC_FORTUNES_DIR)")
+    if not names:
+        raise UsageError(f"the fortunes directory {d!r} has no fortune files (regular files whose name has "
+                         f"no '.')")
+    return [os.path.join(os.fsencode(d), n) for n in names]
+
+
+def text_documents(data):
+    """One file's bytes -> its documents (bytes), short ones included: lines split at b'\n' (a final line
+    without '\n' counts, the empty remainder after a final '\n' does not); a line equal to b'%' ends the
+    current document, any other line adds itself plus b'\n'; the document in progress at the end counts."""
+    lines = data.split(b"\n")
+    if lines[-1] == b"":
+        lines.pop()  # the empty remainder after a final '\n' (or an empty file) is not a line
+    docs, doc = [], bytearray()
+    for line in lines:
+        if line == b"%":
+            docs.append(bytes(doc))
+            doc = bytearray()
+        else:
+            doc += line + b"\n"
+    docs.append(bytes(doc))
+    return docs
+
+
+def document_sequences(docs, context):
+    """Documents -> (inputs, targets) int64 [S, T]: a document d of n bytes gives, for start = 0, T, 2T, ...
+    while start + 1 < n, chunk = d[start:start+T+1], inputs chunk[:-1] padded with 0, targets chunk[1:]
+    padded with -100 to T. (Chunk k's inputs are d[:-1][kT:kT+T] and its targets d[1:][kT:kT+T].)"""
+    T = context
+    xs, ys = [], []
+    for d in docs:
+        a = np.frombuffer(d, dtype=np.uint8).astype(np.int64)
+        n = a.shape[0]
+        if n < 2:
+            continue
+        c = (n - 1 + T - 1) // T  # number of starts kT with kT + 1 < n
+        x = np.zeros(c * T, dtype=np.int64)
+        y = np.full(c * T, IGNORE, dtype=np.int64)
+        x[:n - 1], y[:n - 1] = a[:-1], a[1:]
+        xs.append(x.reshape(c, T))
+        ys.append(y.reshape(c, T))
+    if not xs:
+        return torch.zeros((0, T), dtype=torch.int64), torch.zeros((0, T), dtype=torch.int64)
+    return torch.from_numpy(np.concatenate(xs)), torch.from_numpy(np.concatenate(ys))
+
+
+def load_text_tokens(spec, vocab, context):
+    """fortunes[:train|:test] / text:PATH / text-test:PATH -> byte tokens (module docstring, Token data)."""
+    if vocab != 256:
+        raise UsageError(f"data {spec!r} is byte-level text (256 token ids) but the model has V={vocab}; "
+                         f"use a gpt:256-T-D-L-H model")
+    if spec.startswith("fortunes"):
+        paths, test = fortune_files(), spec == "fortunes:test"
+    else:
+        test = spec.startswith("text-test:")
+        path = spec.split(":", 1)[1]
+        if not path:
+            raise UsageError(f"data spec {spec!r}: PATH is empty (text:PATH or text-test:PATH)")
+        if not os.path.isfile(path):
+            raise UsageError(f"data spec {spec!r}: {path!r} is not an existing file")
+        paths = [path]
+    docs = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise UsageError(f"data {spec!r}: cannot read {os.fsdecode(path)!r}: {e}")
+        docs.extend(d for d in text_documents(data) if len(d) >= 2)
+    return document_sequences([d for i, d in enumerate(docs) if (i % 10 == 9) == test], context)
+
+
+def load_token_file(path, vocab, context):
+    """A gpt data file: {"inputs": int64 [S, L], "targets": int64 [S, L]}, 1 <= L <= T, inputs in [0, V),
+    targets in [0, V) or -100. UsageError naming the key and what is wrong."""
+    obj = _load_data_dict(path, "'fortunes[:train|:test]', 'text:PATH', 'text-test:PATH'")
+    out = {}
+    for key in ("inputs", "targets"):
+        t = obj[key]
+        if not isinstance(t, torch.Tensor):
+            raise UsageError(f"data file {path!r}: {key!r} is a {type(t).__name__}, expected an int64 tensor "
+                             f"[S, L] of token ids")
+        if t.dtype != torch.int64:
+            raise UsageError(f"data file {path!r}: {key!r} has dtype {t.dtype}; a gpt model needs int64 token "
+                             f"ids [S, L]")
+        if t.dim() != 2:
+            raise UsageError(f"data file {path!r}: {key!r} has shape {list(t.shape)}; a gpt model needs "
+                             f"[S, L] (S sequences of L tokens, 1 <= L <= T={context})")
+        out[key] = t.contiguous()
+    X, Y = out["inputs"], out["targets"]
+    if X.shape != Y.shape:
+        raise UsageError(f"data file {path!r}: 'targets' has shape {list(Y.shape)} but 'inputs' "
+                         f"{list(X.shape)}; they must be equal")
+    if not 1 <= X.shape[1] <= context:
+        raise UsageError(f"data file {path!r}: sequences of length L={X.shape[1]} ('inputs' {list(X.shape)}), "
+                         f"but the model's context allows 1 <= L <= T={context}")
+    for key, t, bad, allowed in (("inputs", X, (X < 0) | (X >= vocab), f"a token id in [0, V={vocab})"),
+                                 ("targets", Y, ((Y < 0) | (Y >= vocab)) & (Y != IGNORE),
+                                  f"a token id in [0, V={vocab}) or {IGNORE} (not trained on)")):
+        if bool(bad.any()):
+            i, j = bad.nonzero()[0].tolist()
+            raise UsageError(f"data file {path!r}: {key}[{i}, {j}] = {int(t[i, j])} is not {allowed}")
+    return X, Y
+
+
+def load_tokens(spec, vocab, context):
+    """Token data (X, Y) int64 [S, L] for a gpt model with vocabulary V and context T."""
+    if spec in ("fashion-mnist", "fashion-mnist:train", "fashion-mnist:test") or spec.startswith("synthetic:"):
+        raise UsageError(f"data {spec!r} is feature data; a gpt model takes token data: fortunes[:train|:test], "
+                         f"text:PATH, text-test:PATH or a data file of int64 'inputs'/'targets' [S, L]")
+    if is_token_spec(spec):
+        return load_text_tokens(spec, vocab, context)
+    return load_token_file(spec, vocab, context)
+
+
+def load_model_data(data_spec, model_spec, loss, seed, dtype=torch.float32):
+    """(X, Y) for a model: int64 tokens for gpt; otherwise load_dataset with the model's IN and OUT, the
+    float tensors (inputs, mse targets) cast to dtype."""
+    kind, sizes = parse_model_spec(model_spec)
+    if kind == "gpt":
+        if loss != "ce":
+            raise UsageError(f"--loss {loss} does not apply to gpt models; they train with --loss ce")
+        return load_tokens(data_spec, sizes[0], sizes[1])
+    X, Y = load_dataset(data_spec, sizes[0], sizes[-1], loss, seed)
+    return X.to(dtype), (Y.to(dtype) if Y.is_floating_point() else Y)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(prog=PROG, description="Reference PyTorch trainer (see module docstring).",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="mlp:IN-H...-OUT, mlp-bn:..., cnn:C1-C2-OUT or res:IN-H-B-OUT")
-    p.add_argument("--data", required=True, help="fashion-mnist | synthetic:N | PATH")
+    p.add_argument("--model", required=True,
+                   help="mlp:IN-H...-OUT, mlp-bn:..., cnn:C1-C2-OUT, res:IN-H-B-OUT or gpt:V-T-D-L-H")
+    p.add_argument("--data", required=True,
+                   help="fashion-mnist | synthetic:N | PATH; gpt: fortunes[:train|:test] | text:PATH | "
+                        "text-test:PATH | PATH")
     p.add_argument("--global-batch", type=int, required=True, metavar="B",
                    help="samples per optimizer step over all ranks and micro-steps")
     p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per step (1)")
@@ -309,12 +523,17 @@ def build_parser():
     p.add_argument("--log", metavar="FILE.jsonl", help="rank 0 writes one JSON line per step")
     p.add_argument("--comm-hook", default="none", metavar="none|fp16",
                    help="DDP gradient communication hook: none (default) or fp16 (fp16_compress_hook)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="model, float data and loss dtype (fp32)")
     return p
 
 
 def validate(args, env_world):
     """Checks everything that does not need data; raises UsageError."""
-    parse_model_spec(args.model)
+    kind, _ = parse_model_spec(args.model)
+    if kind == "gpt" and args.loss != "ce":
+        raise UsageError(f"--loss {args.loss} does not apply to gpt models; they train with --loss ce "
+                         f"(token cross-entropy)")
     if args.global_batch <= 0:
         raise UsageError(f"--global-batch must be > 0, got {args.global_batch}")
     if args.accumulate <= 0:
@@ -412,13 +631,63 @@ def freeze(module, prefixes):
             p.requires_grad_(False)
 
 
+def no_token_message(rank, step, epoch, j, group, count):
+    return (f"rank {rank}, step {step} (epoch {epoch}): micro-batch {j + 1} of {group} has no valid token (all "
+            f"{count} targets are {IGNORE}), so its token mean is 0/0 under --loss-reduction mean; use "
+            f"--loss-reduction sum, or gradsync's --reduction global-mean")
+
+
+def check_token_means(Y, world, shuffle, seed, b, K, micro_per_epoch, steps_per_epoch, total_steps):
+    """--loss-reduction mean on token data: UsageError naming the first step (then the lowest rank) at which
+    some rank's micro-batch has no target other than -100. Every rank runs the same check over every rank's
+    DistributedSampler indices, so all ranks fail alike before the process group starts."""
+    valid = (Y != IGNORE).reshape(Y.shape[0], -1).any(dim=1)
+    if bool(valid.all()) or total_steps == 0:
+        return
+    n = Y.shape[0]
+    for epoch in range((total_steps + steps_per_epoch - 1) // steps_per_epoch):
+        steps_here = min(steps_per_epoch, total_steps - epoch * steps_per_epoch)
+        micro_here = min(micro_per_epoch, steps_here * K)
+        found = []
+        for rank in range(world):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                                         drop_last=False)
+            sampler.set_epoch(epoch)
+            idx = torch.tensor(list(sampler), dtype=torch.int64)
+            for m in range(micro_here):
+                chunk = idx[m * b:(m + 1) * b]
+                if not bool(valid[chunk].any()):
+                    found.append((epoch * steps_per_epoch + m // K, rank, m % K, chunk.numel() * Y.shape[1]))
+                    break
+        if found:
+            step, rank, j, count = min(found)
+            group = min(K, micro_per_epoch - (step - epoch * steps_per_epoch) * K)
+            raise UsageError(no_token_message(rank, step, epoch, j, group, count))
+
+
 def train(args, world, X, Y, tmpdir):
     ddp = args.strategy == "ddp"
+    gpt = parse_model_spec(args.model)[0] == "gpt"
     torch.manual_seed(args.seed)
     module = build_model(args.model)
     if args.init_state:
         load_init_state(module, args.init_state, args.model)
+    module.to(DTYPES[args.dtype])
     freeze(module, args.freeze)
+
+    K = args.accumulate
+    b = args.global_batch // (world * K)
+    dataset = TensorDataset(X, Y)
+    n = len(dataset)
+    per_rank = (n + world - 1) // world  # DistributedSampler(drop_last=False) pads to ceil(n / N) per rank
+    micro_per_epoch = (per_rank + b - 1) // b  # DataLoader(drop_last=False) batches: len(loader)
+    steps_per_epoch = (micro_per_epoch + K - 1) // K
+    if args.steps is not None:
+        total_steps = args.steps
+    else:
+        total_steps = (1 if args.epochs is None else args.epochs) * steps_per_epoch
+    if gpt and args.loss_reduction == "mean":
+        check_token_means(Y, world, args.shuffle, args.seed, b, K, micro_per_epoch, steps_per_epoch, total_steps)
 
     # The process group starts only after every input was validated, so bad inputs fail fast on all ranks.
     rank = 0
@@ -436,20 +705,17 @@ def train(args, world, X, Y, tmpdir):
     model.train()
 
     optimizer = make_optimizer(args, module)
-    criterion = (nn.CrossEntropyLoss if args.loss == "ce" else nn.MSELoss)(reduction=args.loss_reduction)
+    if gpt:  # token cross-entropy over the micro-batch's valid targets
+        def criterion(logits, y):
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=IGNORE,
+                                   reduction=args.loss_reduction)
+    else:
+        criterion = (nn.CrossEntropyLoss if args.loss == "ce" else nn.MSELoss)(reduction=args.loss_reduction)
 
-    K = args.accumulate
-    b = args.global_batch // (world * K)
-    dataset = TensorDataset(X, Y)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=args.shuffle,
                                  seed=args.seed, drop_last=False)
     loader = DataLoader(dataset, batch_size=b, sampler=sampler, shuffle=False, drop_last=False)
-    micro_per_epoch = len(loader)
-    steps_per_epoch = (micro_per_epoch + K - 1) // K
-    if args.steps is not None:
-        total_steps = args.steps
-    else:
-        total_steps = (1 if args.epochs is None else args.epochs) * steps_per_epoch
+    assert len(loader) == micro_per_epoch, (len(loader), micro_per_epoch)
 
     log = open(args.log, "w") if (args.log and rank == 0) else None
     step, epoch = 0, 0
@@ -476,6 +742,9 @@ def train(args, world, X, Y, tmpdir):
                                 f"BatchNorm1d in training mode, which needs more than 1 value per channel "
                                 f"(torch: {e}); change --global-batch/--accumulate/--world-size or the data "
                                 f"size so no rank's micro-batch has a single sample")
+                        if gpt and args.loss_reduction == "mean" and not bool((y != IGNORE).any()):
+                            # check_token_means() rules this out before training; kept as a guard
+                            raise UsageError(no_token_message(rank, step, epoch, j, group, y.numel()))
                         loss = criterion(out, y) / group
                         loss.backward()
                     loss_sum += float(loss.detach())
@@ -550,8 +819,7 @@ def main(argv=None):
     except UsageError as e:
         parser.error(str(e))  # prints the usage too
     try:
-        _, sizes = parse_model_spec(args.model)
-        X, Y = load_dataset(args.data, sizes[0], sizes[-1], args.loss, args.seed)
+        X, Y = load_model_data(args.data, args.model, args.loss, args.seed, DTYPES[args.dtype])
         if X.shape[0] == 0:
             raise UsageError(f"data {args.data!r} has no samples")
         with tempfile.TemporaryDirectory(prefix="torch_train_") as tmpdir:

@@ -49,6 +49,12 @@ void validate(const BenchConfig& c) {
 
 int ranks_of(const BenchConfig& c) { return c.strategy == "local" ? 1 : c.world_size; }
 
+// A gpt's sample is a sequence of its context's length, every position a target; other models' samples are one item.
+int64_t tokens_per_sample(const BenchConfig& c) {
+  const auto spec = parse_model_spec(c.model);
+  return spec.gpt ? spec.input_size() : 1;
+}
+
 void require_success(std::optional<int> status, const std::string& what, const std::string& log) {
   if (status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0) return;
   std::string text = read_text(log);
@@ -179,14 +185,16 @@ void print_table(const BenchConfig& c, const Measured& m) {
   fmt::print("gradsync bench: {} x{} ranks, {} per rank, {} thread(s), strategy {}, backend {}; {} runs x {} steps "
              "(+{} warm-up)\n", c.model, ranks_of(c), c.per_rank_batch, c.threads, c.strategy, c.backend, c.repeats,
              c.steps, c.warmup);
+  const bool tokens = tokens_per_sample(c) > 1;
   fmt::print("  {:<10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>12}\n", "", "min ms", "median ms", "max ms",
-             "samples/s", "peak RSS MiB", "sent/step");
+             tokens ? "tokens/s" : "samples/s", "peak RSS MiB", "sent/step");
   auto row = [&](const char* name, const StepStats& s) {
     if (s.step_seconds.empty()) return;
     auto j = side_json(s, c);
     fmt::print("  {:<10} {:>10.2f} {:>10.2f} {:>10.2f} {:>12.0f} {:>12.1f} {:>12.0f}\n", name,
                1e3 * j["step_seconds"]["min"].get<double>(), 1e3 * j["step_seconds"]["median"].get<double>(),
-               1e3 * j["step_seconds"]["max"].get<double>(), j["samples_per_second"].get<double>(),
+               1e3 * j["step_seconds"]["max"].get<double>(),
+               j[tokens ? "tokens_per_second" : "samples_per_second"].get<double>(),
                j["peak_memory_bytes_per_rank"].get<double>() / (1 << 20), j["bytes_sent_per_step"].get<double>());
   };
   row("gradsync", m.gradsync);
@@ -234,6 +242,8 @@ nlohmann::json side_json(const StepStats& s, const BenchConfig& c) {
           {"measured_steps", s.step_seconds.size()},
           {"run_medians", s.run_medians},
           {"samples_per_second", med > 0 ? static_cast<double>(c.per_rank_batch * ranks_of(c)) / med : 0.0},
+          {"tokens_per_second", med > 0 ? static_cast<double>(c.per_rank_batch * ranks_of(c) * tokens_per_sample(c)) / med
+                                        : 0.0},
           {"peak_memory_bytes_per_rank", s.peak_rss_bytes},
           {"bytes_sent_per_step", s.bytes_sent_per_step}};
 }

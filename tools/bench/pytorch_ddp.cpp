@@ -10,7 +10,7 @@ namespace {
 
 // Data, not logic: the program's text, written to a temp file by bench_step.cpp.
 constexpr const char* kProgram = R"py(
-import argparse, json, os, time
+import argparse, json, math, os, time
 import torch, torch.nn as nn, torch.distributed as dist
 
 def wchar():
@@ -45,9 +45,46 @@ class Res(nn.Module):
             h = b(h)
         return self.out(h)
 
+class Attention(nn.Module):
+    def __init__(self, d, h):
+        super().__init__(); self.h = h; self.qkv = nn.Linear(d, 3 * d, bias=False); self.proj = nn.Linear(d, d)
+    def forward(self, x):
+        B, T, D = x.shape; q, k, v = self.qkv(x).split(D, dim=2)
+        q, k, v = (t.view(B, T, self.h, D // self.h).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D // self.h))
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(B, T, D))
+
+class Mlp(nn.Module):
+    def __init__(self, d):
+        super().__init__(); self.fc = nn.Linear(d, 4 * d); self.proj = nn.Linear(4 * d, d)
+    def forward(self, x):
+        return self.proj(nn.functional.gelu(self.fc(x)))
+
+class GptBlock(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d); self.attn = Attention(d, h); self.ln2 = nn.LayerNorm(d); self.mlp = Mlp(d)
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+class Gpt(nn.Module):
+    def __init__(self, v, t, d, l, h):
+        super().__init__()
+        self.wte = nn.Embedding(v, d); self.wpe = nn.Embedding(t, d)
+        self.blocks = nn.ModuleList([GptBlock(d, h) for _ in range(l)]); self.ln_f = nn.LayerNorm(d)
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.ln_f(x) @ self.wte.weight.t()
+
 def build(spec):
     kind, sizes = spec.split(":")
     sizes = [int(s) for s in sizes.split("-")]
+    if kind == "gpt":
+        return Gpt(*sizes), sizes
     if kind == "cnn":
         c1, c2, out = sizes
         return nn.Sequential(nn.Unflatten(1, (1, 28, 28)), nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),
@@ -81,13 +118,19 @@ def main():
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(a.per_rank_batch, sizes[0], generator=g)
-    y = torch.randint(0, sizes[-1], (a.per_rank_batch,), generator=g)
+    gpt = a.model.startswith("gpt:")
+    if gpt:  # every position a target: sequences of the context's length (V, T = sizes[0], sizes[1])
+        x = torch.randint(0, sizes[0], (a.per_rank_batch, sizes[1]), generator=g)
+        y = torch.randint(0, sizes[0], (a.per_rank_batch, sizes[1]), generator=g)
+    else:
+        x = torch.randn(a.per_rank_batch, sizes[0], generator=g)
+        y = torch.randint(0, sizes[-1], (a.per_rank_batch,), generator=g)
     loss_fn = nn.CrossEntropyLoss()
     times, sent = [], []
     for step in range(a.warmup + a.steps):
         w0, t0 = wchar(), time.perf_counter()
-        loss = loss_fn(model(x), y)
+        out = model(x)
+        loss = loss_fn(out.reshape(-1, out.shape[-1]), y.reshape(-1)) if gpt else loss_fn(out, y)
         loss.backward()
         opt.step()
         opt.zero_grad()

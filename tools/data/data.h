@@ -7,6 +7,17 @@
 //                                recipe documented at load_synthetic().
 //   PATH                         a file written by Python torch.save({"inputs": X, "targets": Y}, PATH).
 //
+// Token specs (load_token_dataset, for the gpt model; token_data.cpp):
+//   fortunes[:train|:test]       Debian's fortunes package, every fortune a document ($GRADSYNC_FORTUNES_DIR
+//                                overrides /usr/share/games/fortunes; its files without a '.' in their names)
+//   text:PATH, text-test:PATH    documents separated by lines holding only '%'
+//   PATH                         torch.save({"inputs": int64 [S, L], "targets": int64 [S, L]}), L <= the context,
+//                                targets -100 where a position is not trained on
+// Text is bytes as tokens (a vocabulary of 256). Document i (over all files, in order) is held out (:test,
+// text-test:) iff i % 10 == 9. A document of n bytes gives sequences of up to T + 1 bytes starting at 0, T, 2T, ...
+// (while start + 1 < n): inputs its first bytes right-padded with 0 to T, targets the bytes after each, -100 past
+// the end. So sequence lengths vary as in real fine-tuning, and a sample's items are its targets != -100.
+//
 // Errors: gradsync::ConfigError for bad input (a bad spec, a missing, unreadable or corrupt file, wrong
 // shapes/dtypes/values), gradsync::Error for other failures (a read error, zlib out of memory); each message
 // names the spec or path, the offending value and what is allowed. One file per loader: data.cpp (the specs),
@@ -16,13 +27,20 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace gradsync::cli {
 
+// A target position that is not trained on (PyTorch's cross_entropy ignore_index default).
+inline constexpr int64_t kIgnoreIndex = -100;
+
 struct Dataset {
-  torch::Tensor inputs;   // float32 [n, IN], contiguous (images are flattened)
-  torch::Tensor targets;  // CrossEntropy: int64 [n] in [0, OUT); MeanSquared: float32 [n, OUT]
+  torch::Tensor inputs;   // float32 [n, IN], contiguous (images are flattened); tokens: int64 [n, L]
+  torch::Tensor targets;  // CrossEntropy: int64 [n] in [0, OUT); MeanSquared: float32 [n, OUT]; tokens: int64 [n, L]
   int64_t size() const { return inputs.defined() ? inputs.size(0) : 0; }
+  // Token data: a sample is a sequence, its items the targets != kIgnoreIndex.
+  bool tokens() const { return targets.defined() && targets.dim() == 2 && targets.scalar_type() == torch::kLong; }
 };
 
 enum class LossKind { CrossEntropy, MeanSquared };
@@ -57,6 +75,20 @@ std::string fashion_mnist_dir();
 
 // A file written by torch.save({"inputs": X, "targets": Y}, path), validated against the model sizes.
 Dataset load_dataset_file(const std::string& path, int64_t input_size, int64_t output_size, LossKind loss);
+
+// The tensors 'inputs' and 'targets' of a torch.save'd dict, unchecked (ConfigError naming the file otherwise).
+std::pair<torch::Tensor, torch::Tensor> read_dataset_file_tensors(const std::string& path);
+
+// A token spec (see the top of this file) for a gpt model of vocabulary `vocab` and context `context`; also
+// synthetic:N, N sequences of T random tokens (from `seed`) with every position a target.
+Dataset load_token_dataset(const std::string& spec, int64_t vocab, int64_t context, uint64_t seed);
+// fortunes[...], text:... or text-test:...
+bool is_text_spec(const std::string& spec);
+// $GRADSYNC_FORTUNES_DIR if set and non-empty, else /usr/share/games/fortunes.
+std::string fortunes_dir();
+// A text's documents: lines holding only '%' separate them; each other line adds its bytes and a newline;
+// documents under 2 bytes are dropped.
+std::vector<std::string> split_documents(const std::string& text);
 
 // Rows `indices` (int64 [k]) of `data`, e.g. one rank's shard or one batch.
 Dataset select_rows(const Dataset& data, const torch::Tensor& indices);

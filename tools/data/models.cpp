@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "data/gpt_model.h"
 #include "data/res_model.h"
 #include "gradsync/error.h"
 
@@ -12,7 +13,7 @@ namespace gradsync::cli {
 namespace {
 
 constexpr const char* kAllowedSpecs =
-    "expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT, cnn:C1-C2-OUT or res:IN-H-B-OUT";
+    "expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT, cnn:C1-C2-OUT, res:IN-H-B-OUT or gpt:V-T-D-L-H";
 constexpr int64_t kImageSide = 28;  // cnn: Fashion-MNIST's single-channel 28x28 images, flattened
 
 [[noreturn]] void bad_spec(const std::string& spec, const std::string& why) {
@@ -52,8 +53,10 @@ ModelSpec parse_model_spec(const std::string& spec) {
     out.cnn = true;
   } else if (kind == "res") {
     out.res = true;
+  } else if (kind == "gpt") {
+    out.gpt = true;
   } else {
-    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn, cnn, res)", kind));
+    bad_spec(spec, fmt::format("unknown model kind '{}' (known kinds: mlp, mlp-bn, cnn, res, gpt)", kind));
   }
   const std::string sizes = spec.substr(colon + 1);
   if (sizes.empty()) bad_spec(spec, "no layer sizes after ':'");
@@ -76,6 +79,13 @@ ModelSpec parse_model_spec(const std::string& spec) {
   if (out.res && out.sizes.size() != 4) {
     bad_spec(spec, fmt::format("res takes exactly four sizes (inputs, width, blocks, outputs), got {}",
                                out.sizes.size()));
+  }
+  if (out.gpt && out.sizes.size() != 5) {
+    bad_spec(spec, fmt::format("gpt takes exactly five sizes (vocabulary, context, width, blocks, heads), got {}",
+                               out.sizes.size()));
+  }
+  if (out.gpt && out.sizes[2] % out.sizes[4] != 0) {
+    bad_spec(spec, fmt::format("gpt's width {} is not a multiple of its {} heads", out.sizes[2], out.sizes[4]));
   }
   if (out.sizes.size() < 2) {
     bad_spec(spec, fmt::format("got {} layer size, need at least two (input and output)", out.sizes.size()));
@@ -126,6 +136,8 @@ Model make_model(const ModelSpec& spec) {
   }
   if (spec.cnn) return Model(make_cnn(spec.sizes[1], spec.sizes[2], spec.sizes[3]));
   if (spec.res) return Model(res::Res(spec.sizes[0], spec.sizes[1], spec.sizes[2], spec.sizes[3]));
+  if (spec.gpt) return Model(gpt::Gpt(gpt::GptSizes{spec.sizes[0], spec.sizes[1], spec.sizes[2], spec.sizes[3],
+                                                    spec.sizes[4]}));
   return Model(make_mlp(spec));
 }
 

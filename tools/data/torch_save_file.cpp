@@ -237,6 +237,11 @@ torch::Tensor checked_targets(const torch::Tensor& y, const std::string& path, i
 
 }  // namespace
 
+std::pair<torch::Tensor, torch::Tensor> read_dataset_file_tensors(const std::string& path) {
+  const auto dict = root_dict(unpickle(path), path);
+  return {dict_tensor(dict, path, "inputs"), dict_tensor(dict, path, "targets")};
+}
+
 Dataset load_dataset_file(const std::string& path, int64_t input_size, int64_t output_size, LossKind loss) {
   check_model_sizes(input_size, output_size);
   const auto dict = root_dict(unpickle(path), path);

@@ -131,6 +131,9 @@ bool conclusive(const LabResults& r) {
             r.accumulation.scaled_verdict != "neither";
   for (const auto& d : r.ddp) ok = ok && d.verdict != "neither";
   for (const auto& u : r.uneven) ok = ok && u.verdict != "neither" && u.global_verdict != "neither";
+  for (const auto& t : r.tokens.rows) {
+    ok = ok && t.global_mean_rel_diff <= r.config.tolerance && t.mean_of_means_to_prediction <= r.config.tolerance;
+  }
   return ok;
 }
 
@@ -159,6 +162,7 @@ struct LabCli {
   std::string data = "fashion-mnist";
   std::string model = "mlp:784-128-10";
   uint64_t seed = 0;
+  bool no_tokens = false;
 };
 
 int run_lab(const LabCli& cli) {
@@ -173,6 +177,7 @@ int run_lab(const LabCli& cli) {
   c.data = cli.data;
   c.model = cli.model;
   c.seed = cli.seed;
+  c.tokens = !cli.no_tokens;
   validate(c);
   fmt::print(stderr, "[lab] sum or mean? {} run: model {}, data {}, world sizes {}\n", c.quick ? "quick" : "full",
              c.model, c.data, fmt::join(c.world_sizes, ","));
@@ -186,6 +191,7 @@ int run_lab(const LabCli& cli) {
     results.ddp.push_back(run_ddp(c, n, scratch, &uneven));
     if (n >= 2) results.uneven.push_back(uneven);
   }
+  if (c.tokens) results.tokens = run_tokens(c, scratch.path());
   results.claims = grade_claims(results);
   results.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   fmt::print(stderr, "[lab] writing {}/\n", c.out_dir);
@@ -229,6 +235,8 @@ void add_lab_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--seed", cli->seed, "seed of the model, the batch and the sampler (default 0)");
   cmd->add_option("--model", cli->model, "the model every experiment trains: a train spec with 784 inputs and 10 "
                   "outputs, e.g. cnn:8-16-10 or res:784-64-2-10 (default mlp:784-128-10)");
+  cmd->add_flag("--no-tokens", cli->no_tokens, "skip the tokens experiment (a gpt on Debian's fortunes: the mean of "
+                "per-micro-batch token means against the token mean)");
   cmd->callback([cli, &exit_code] { exit_code = run_lab(*cli); });
   add_lab_rank_command(root, exit_code);
 }

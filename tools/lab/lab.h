@@ -6,6 +6,7 @@
 //                        process reference against what the ranks measured)
 //   lab_analysis.cpp     accumulation divided by K afterwards, FSDP with accumulation, DDP with summed losses
 //                        (their single-process references; lab_analysis.h, shared with lab_experiments.cpp)
+//   lab_tokens.cpp       a language model on real text: per-micro-batch token means against the token mean
 //   lab_rank.cpp         the hidden `gradsync lab-rank` subcommand: one DDP (and FSDP) rank, started through
 //                        launch()
 //   lab_report.cpp       terminal table, JSON, CSV files, gnuplot plots
@@ -57,6 +58,7 @@ struct LabConfig {
   // gradients of this model are O(1e-2); summing them in a different order changes them by O(1e-9).
   double tolerance = 1e-5;
   double rank_timeout_seconds = 120;
+  bool tokens = true;  // the tokens experiment (needs Debian's fortunes)
 };
 
 // The defaults of the full run, or of --quick (fewer steps, smaller DDP batch).
@@ -188,6 +190,41 @@ struct UnevenResult {
   std::string global_verdict;           // "sample mean", "mean of per-rank means" or "neither"
 };
 
+// The tokens experiment (lab_tokens.cpp): a gpt on fortunes, one step at (N, K), each gradient against one process's
+// gradient of the token mean over the step's sequences (relative: ||g - g_ref||_2 / ||g_ref||_2, float64).
+struct TokenRow {
+  int world_size = 0;
+  int64_t accumulate = 0;
+  double global_mean_rel_diff = 0;              // (b) Reduction::GlobalMean
+  double mean_of_means_rel_diff = 0;            // (a) per-micro-batch token means / K, DDP's mean over ranks
+  double mean_of_means_predicted_rel_diff = 0;  // what (a)'s weights 1/(N*K*n_rk) per token predict
+  double mean_of_means_to_prediction = 0;       // (a) against that prediction
+  double global_mean_to_prediction = 0;         // (b) against it
+};
+
+// Longer training at one (N, K): each run's logged loss per step, and its final parameters' update against the
+// reference's (relative).
+struct TokenCurves {
+  int world_size = 0;
+  int64_t accumulate = 0;
+  int64_t steps = 0;
+  std::vector<double> reference, mean_of_means, global_mean;
+  double mean_of_means_final_rel_diff = 0;
+  double global_mean_final_rel_diff = 0;
+};
+
+struct TokensResult {
+  std::string model;
+  int64_t global_batch = 0;  // sequences per step
+  std::vector<TokenRow> rows;
+  TokenCurves curves;
+  double seconds = 0;
+};
+
+// Runs the tokens experiment in `scratch`/tokens (`gradsync train` runs of this executable).
+TokensResult run_tokens(const LabConfig& config, const std::string& scratch);
+nlohmann::ordered_json tokens_json(const TokensResult& tokens);
+
 // One statement about sum or mean (from the three answers to the question, or a belief users repeat), graded by
 // the experiment that decides it: its deviation from what the statement predicts and from the alternative.
 struct ClaimResult {
@@ -216,6 +253,7 @@ struct LabResults {
   AccumulationResult accumulation;
   std::vector<DdpResult> ddp;
   std::vector<UnevenResult> uneven;
+  TokensResult tokens;              // empty rows with --no-tokens
   std::vector<ClaimResult> claims;  // graded from everything above (lab_claims.cpp)
   PlotStatus plots;
   std::vector<std::string> files;  // everything written to the out dir
@@ -294,6 +332,13 @@ std::string join_samples(const std::vector<int64_t>& samples);
 std::string markdown_cell(const std::string& text);
 using ResultRow = std::array<std::string, 3>;
 std::vector<ResultRow> result_rows(const LabResults& results);
+// The tokens experiment's rows, tokens.csv and tokens_curves.dat, its plot, report section and answer paragraph
+// (lab_tokens_report.cpp); empty without the experiment.
+std::vector<ResultRow> token_rows(const LabResults& results);
+std::pair<std::string, std::string> tokens_data(const LabResults& results);
+std::string tokens_gnuplot(const LabResults& results);
+std::string tokens_section(const LabResults& results);
+std::string tokens_answer(const LabResults& results, bool ko);
 // Experiment-table rows of the measurements only the claims use (divided accumulation, FSDP accumulation, DDP
 // with a summed loss).
 std::vector<ResultRow> claim_experiment_rows(const LabResults& results);

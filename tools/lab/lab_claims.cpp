@@ -122,6 +122,27 @@ std::vector<Case> divided_cases(const LabResults& r) {
            false}};
 }
 
+// Relative gradient distances of the tokens experiment: (a) against the token mean of the step (claim) and against
+// the mean of token means its weights predict (the alternative), where (a) is a mean of more than one token mean.
+std::vector<Case> token_mean_cases(const LabResults& r, bool over_micro_batches) {
+  std::vector<Case> out;
+  for (const auto& t : r.tokens.rows) {
+    if ((over_micro_batches ? t.accumulate : t.world_size) < 2) continue;
+    out.push_back({fmt::format("N={} K={} (relative)", t.world_size, t.accumulate), t.mean_of_means_rel_diff,
+                   t.mean_of_means_to_prediction});
+  }
+  return out;
+}
+
+std::vector<Case> token_global_cases(const LabResults& r) {
+  std::vector<Case> out;
+  for (const auto& t : r.tokens.rows) {
+    out.push_back({fmt::format("N={} K={} (relative)", t.world_size, t.accumulate), t.global_mean_rel_diff,
+                   t.global_mean_to_prediction});
+  }
+  return out;
+}
+
 const std::vector<ClaimSpec>& claims() {
   static const std::vector<ClaimSpec> table{
       {"ddp-averages", "answer 1", "DDP averages the per-process gradients internally; no user code is needed.",
@@ -170,6 +191,26 @@ const std::vector<ClaimSpec>& claims() {
        "DDP with each rank's loss summed over its share: relative distance to the gradient of the summed loss of "
        "the global batch (claim) and to it / N",
        nullptr, nullptr, summed_loss_cases},
+      {"token-mean-over-k", "common belief",
+       "Dividing each micro-batch's token-mean loss by K gives the full-batch gradient of a language model.",
+       "각 micro-batch의 token 평균 loss를 K로 나누면 언어 모델의 전체 배치 gradient가 된다.",
+       "gpt on fortunes, K micro-batches of ragged token counts: relative distance to one process's token mean over "
+       "the step (claim) and to the mean of token means its weights predict",
+       nullptr, nullptr, [](const LabResults& r) { return token_mean_cases(r, true); }},
+      {"ddp-token-mean", "common belief",
+       "Under DDP, averaging the ranks' token-mean losses gives the token mean over all ranks.",
+       "DDP에서 rank별 token 평균 loss를 평균 내면 모든 rank에 대한 token 평균이 된다.",
+       "gpt on fortunes, N ranks of ragged token counts: relative distance to one process's token mean over the "
+       "step (claim) and to the mean of token means its weights predict",
+       nullptr, nullptr, [](const LabResults& r) { return token_mean_cases(r, false); }},
+      {"global-mean-tokens", "gradsync",
+       "Summing token losses and dividing by the step's valid tokens over all ranks and micro-batches "
+       "(Reduction::GlobalMean) gives the full-batch token-mean gradient.",
+       "token loss를 합하고 모든 rank와 micro-batch의 유효 token 수로 나누면(Reduction::GlobalMean) 전체 배치의 "
+       "token 평균 gradient가 된다.",
+       "gpt on fortunes at (N, K) = (1, 4), (2, 2), (4, 1): relative distance to one process's token mean (claim) "
+       "and to the mean of token means",
+       nullptr, nullptr, token_global_cases},
   };
   return table;
 }

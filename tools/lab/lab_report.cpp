@@ -72,6 +72,8 @@ std::vector<ResultRow> result_rows(const LabResults& r) {
   }
   const auto more = claim_experiment_rows(r);
   rows.insert(rows.end(), more.begin(), more.end());
+  const auto tokens = token_rows(r);
+  rows.insert(rows.end(), tokens.begin(), tokens.end());
   return rows;
 }
 
@@ -157,6 +159,10 @@ void write_data(OutDir& out, const LabResults& r) {
   const auto [claims_csv, claims_dat] = claims_data(r);
   out.write("claims.csv", claims_csv);
   out.write("claims.dat", claims_dat);
+  if (r.tokens.rows.empty()) return;
+  const auto [tokens_csv, tokens_dat] = tokens_data(r);
+  out.write("tokens.csv", tokens_csv);
+  out.write("tokens_curves.dat", tokens_dat);
 }
 
 std::string gnuplot_script(const LabResults& r) {
@@ -210,7 +216,7 @@ plot "ddp_ranks.dat" using ($0-0.19):(v($2)):xtic(1) with boxes lc rgb "#dd6b20"
 )gp",
                      fmt::arg("model", c.model), fmt::arg("data", c.data), fmt::arg("lr", c.lr),
                      fmt::arg("last_column", r.loss.runs.size() + 1), fmt::arg("tol", c.tolerance)) +
-         claims_gnuplot(r);
+         claims_gnuplot(r) + tokens_gnuplot(r);
 }
 
 // Runs `gnuplot plots.gp` in the out dir, its output going to gnuplot.log there.
@@ -228,7 +234,8 @@ void render_plots(OutDir& out, LabResults& r) {
     p.message = fmt::format("gnuplot failed (status {}): {}", status, text.substr(0, 2000));
     return;
   }
-  const std::vector<std::string> pngs{"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png", "claims.png"};
+  std::vector<std::string> pngs{"loss_vs_batch.png", "ddp_deviation.png", "ddp_ranks.png", "claims.png"};
+  if (!r.tokens.rows.empty()) pngs.push_back("tokens.png");
   for (const auto& png : pngs) {
     if (fs::exists(out.dir() + "/" + png)) p.files.push_back(png);
   }
@@ -372,6 +379,8 @@ nlohmann::ordered_json to_json(const LabResults& r) {
       {"ddp", json_array(r.ddp, ddp_json)},
       {"uneven", json_array(r.uneven, uneven_json)},
       {"sharded", json_array(r.ddp, sharded_json)},
+      {"tokens", r.tokens.rows.empty() ? json::array() : json(tokens_json(r.tokens)["rows"])},
+      {"tokens_experiment", r.tokens.rows.empty() ? json(nullptr) : json(tokens_json(r.tokens))},
       {"claims", claims_json(r)},
       {"answer", {{"en", answer_text(r, "en")}, {"ko", answer_text(r, "ko")}}},
       {"out_dir", c.out_dir},

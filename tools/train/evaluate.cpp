@@ -5,8 +5,10 @@
 
 #include <fmt/format.h>
 
+#include "data/gpt_model.h"
 #include "data/models.h"
 #include "gradsync/error.h"
+#include "gradsync/fsdp.h"
 #include "gradsync/state_dict.h"
 
 namespace gradsync::cli {
@@ -15,32 +17,79 @@ std::string eval_data_spec(const TrainConfig& c) {
   if (!c.eval_data.empty()) return c.eval_data;
   if (!c.eval) return "";
   if (c.data == "fashion-mnist" || c.data == "fashion-mnist:train") return "fashion-mnist:test";
+  if (c.data == "fortunes" || c.data == "fortunes:train") return "fortunes:test";
+  if (c.data.rfind("text:", 0) == 0) return "text-test:" + c.data.substr(5);
   throw ConfigError(fmt::format("--eval needs a held-out split: --data {} has none; give --eval-data SPEC "
-                                "(fashion-mnist:test, synthetic:N or a torch.save file)", c.data));
+                                "(fashion-mnist:test, fortunes:test, text-test:PATH, synthetic:N or a torch.save "
+                                "file)", c.data));
 }
 
-Accuracy evaluate(const TrainConfig& c, Engine& engine, const Dataset& test, const std::shared_ptr<World>& world) {
-  const auto state = engine.state_dict(/*rank0_only=*/false);  // every rank calls it: a gather when sharded
+Model build_model(const TrainConfig& c) {
   auto model = make_model(c.model);
-  load_into(*model, state);
+  model->to(parse_dtype(c.dtype));
+  return model;
+}
+
+namespace {
+
+// The trained model, whole, in a copy of this rank's own (a collective for the sharded engines).
+Model trained_copy(const TrainConfig& c, Engine& engine, bool rank0_only) {
+  const auto state = engine.state_dict(rank0_only);
+  auto model = build_model(c);
+  if (!state.empty()) load_into(*model, state);
   model->eval();
+  return model;
+}
+
+// One block of the split: its correct predictions, and for tokens the summed loss of its valid tokens.
+void score(const TrainConfig& c, const Model& model, const Dataset& test, int64_t start, int64_t rows, Accuracy& a) {
+  const auto output = model.forward(test.inputs.narrow(0, start, rows));
+  auto labels = test.targets.narrow(0, start, rows);
+  if (test.tokens()) {
+    const auto logits = output.reshape({-1, output.size(-1)}).to(torch::kDouble);
+    const auto targets = labels.reshape({-1});
+    const auto valid = targets.ne(kIgnoreIndex);
+    namespace F = torch::nn::functional;
+    a.loss_sum += F::cross_entropy(logits, targets, F::CrossEntropyFuncOptions().reduction(torch::kSum)
+                                                        .ignore_index(kIgnoreIndex)).item<double>();
+    a.correct += logits.argmax(1).eq(targets).logical_and(valid).sum().item<int64_t>();
+    a.total += valid.sum().item<int64_t>();
+    return;
+  }
+  if (parse_loss_kind(c.loss) == LossKind::MeanSquared) labels = labels.argmax(1);
+  a.correct += output.argmax(1).eq(labels).sum().item<int64_t>();
+  a.total += rows;
+}
+
+}  // namespace
+
+Accuracy evaluate(const TrainConfig& c, Engine& engine, const Dataset& test, const std::shared_ptr<World>& world) {
+  const auto model = trained_copy(c, engine, /*rank0_only=*/false);  // every rank calls it: a gather when sharded
   torch::NoGradGuard no_grad;
   const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
-  constexpr int64_t kBlock = 1000;
-  const auto loss = parse_loss_kind(c.loss);
+  const int64_t block = test.tokens() ? 64 : 1000;  // sequences hold T positions of V logits each
   Accuracy mine;
-  for (int64_t start = rank * kBlock; start < test.size(); start += ranks * kBlock) {
-    const int64_t rows = std::min(kBlock, test.size() - start);
-    const auto predicted = model.forward(test.inputs.narrow(0, start, rows)).argmax(1);
-    auto labels = test.targets.narrow(0, start, rows);
-    if (loss == LossKind::MeanSquared) labels = labels.argmax(1);
-    mine.correct += predicted.eq(labels).sum().item<int64_t>();
-    mine.total += rows;
+  for (int64_t start = rank * block; start < test.size(); start += ranks * block) {
+    score(c, model, test, start, std::min(block, test.size() - start), mine);
   }
   if (ranks == 1) return mine;
-  auto counts = torch::tensor({mine.correct, mine.total}, torch::kLong);
-  world->comm().allreduce(counts, Reduction::Sum);
-  return {counts[0].item<int64_t>(), counts[1].item<int64_t>()};
+  auto sums = torch::tensor({static_cast<double>(mine.correct), static_cast<double>(mine.total), mine.loss_sum},
+                            torch::kDouble);
+  world->comm().allreduce(sums, Reduction::Sum);
+  return {std::llround(sums[0].item<double>()), std::llround(sums[1].item<double>()), sums[2].item<double>()};
+}
+
+void print_sample(const TrainConfig& c, Engine& engine, const std::shared_ptr<World>& world) {
+  if (c.sample <= 0) return;
+  const bool main = !world || world->is_main();
+  const auto model = trained_copy(c, engine, /*rank0_only=*/true);
+  if (!main) return;
+  auto* gpt = dynamic_cast<gpt::GptImpl*>(&*model);
+  if (gpt == nullptr) throw ConfigError(fmt::format("--sample needs a gpt model, not {}", c.model));
+  const std::string prompt = "The ";
+  auto tokens = gpt::generate(*gpt, std::vector<int64_t>(prompt.begin(), prompt.end()), c.sample, c.seed);
+  std::string text(tokens.begin(), tokens.end());
+  fmt::print("gradsync train: sample (seed {}): {}\n", c.seed, text);
 }
 
 }  // namespace gradsync::cli

@@ -64,9 +64,11 @@ void StepLog::write(const StepRecord& r) {
   check();
 }
 
-void StepLog::write_accuracy(int64_t epoch, int64_t step, double percent) {
+void StepLog::write_accuracy(int64_t epoch, int64_t step, double percent, double test_loss) {
   if (!file_.is_open()) return;
-  file_ << nlohmann::json{{"epoch", epoch}, {"step", step}, {"test_accuracy", percent}}.dump() << "\n" << std::flush;
+  nlohmann::json line{{"epoch", epoch}, {"step", step}, {"test_accuracy", percent}};
+  if (test_loss >= 0) line["test_loss"] = test_loss;
+  file_ << line.dump() << "\n" << std::flush;
   check();
 }
 

@@ -19,6 +19,7 @@
 #include "data/models.h"
 #include "gradsync/engine.h"
 #include "gradsync/error.h"
+#include "gradsync/fsdp.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
 #include "launch/backend_flag.h"
@@ -121,12 +122,34 @@ int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
   return c.epochs.value_or(1) * steps_per_epoch;
 }
 
+// gpt trains on token data with ce, and only gpt does; --sample needs its bytes.
+void check_model_data(const TrainConfig& c) {
+  const auto spec = parse_model_spec(c.model);
+  if (!spec.gpt) {
+    if (is_text_spec(c.data)) {
+      throw ConfigError(fmt::format("--data {} is text (token sequences) for a gpt model; --model {} takes rows of "
+                                    "numbers", c.data, c.model));
+    }
+    if (c.sample > 0) throw ConfigError(fmt::format("--sample generates text with a gpt model, not {}", c.model));
+    return;
+  }
+  if (c.loss != "ce") {
+    throw ConfigError(fmt::format("--loss {} with --model {}: a gpt model predicts tokens; use --loss ce", c.loss,
+                                  c.model));
+  }
+  if (c.sample > 0 && spec.output_size() != 256) {
+    throw ConfigError(fmt::format("--sample prints bytes; --model {} has a vocabulary of {}, not 256", c.model,
+                                  spec.output_size()));
+  }
+}
+
 }  // namespace
 
 void validate(const TrainConfig& c, int world_size) {
   parse_flag("--model", c.model, parse_model_spec);
   parse_flag("--loss", c.loss, parse_loss_kind);
   parse_flag("--reduction", c.reduction, parse_reduction);
+  check_model_data(c);
   validate_sharding_flags(c);
   if (c.strategy == Strategy::Local && world_size > 1) {
     throw ConfigError(fmt::format("--strategy local runs one process, but the world size is {}; use --strategy "
@@ -191,15 +214,24 @@ struct Run {
   int64_t model_bytes = 0;  // Psi in bytes, measured before an engine re-types parameters (--param-dtype)
 };
 
+// The data a spec names for the model: tokens for gpt, rows otherwise; float values in --dtype.
+Dataset load_data(const TrainConfig& c, const std::string& spec, uint64_t seed) {
+  const auto model = parse_model_spec(c.model);
+  if (model.gpt) return load_token_dataset(spec, model.output_size(), model.input_size(), seed);
+  auto data = load_dataset(spec, model.input_size(), model.output_size(), parse_loss_kind(c.loss), seed);
+  const auto dtype = parse_dtype(c.dtype);
+  data.inputs = data.inputs.to(dtype);
+  if (data.targets.is_floating_point()) data.targets = data.targets.to(dtype);
+  return data;
+}
+
 Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   torch::manual_seed(c.seed);
   Run run{make_model(c.model), {}, {}, nullptr, nullptr, 0};
   if (!c.init_state.empty()) load_into(*run.model, load_state_dict(c.init_state));
-  const auto spec = parse_model_spec(c.model);
-  run.data = load_dataset(c.data, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed);
-  if (const auto split = eval_data_spec(c); !split.empty()) {
-    run.test = load_dataset(split, spec.input_size(), spec.output_size(), parse_loss_kind(c.loss), c.seed + 1);
-  }
+  run.model->to(parse_dtype(c.dtype));  // after --init-state: a float32 file starts a float64 run
+  run.data = load_data(c, c.data, c.seed);
+  if (const auto split = eval_data_spec(c); !split.empty()) run.test = load_data(c, split, c.seed + 1);
   run.model_bytes = parameter_bytes(*run.model);
   freeze_parameters(c, run.model);
   run.engine = make_engine(c, run.model, world);
@@ -224,11 +256,18 @@ void report_accuracy(const TrainConfig& c, Run& run, int64_t epoch, StepRecord& 
                      const std::shared_ptr<World>& world) {
   const auto accuracy = evaluate(c, *run.engine, run.test, world);
   last.test_accuracy = accuracy.percent();
+  if (run.test.tokens()) last.test_loss = accuracy.nats_per_token();
   if ((!world || world->is_main()) && !c.quiet) {
-    fmt::print("gradsync train: epoch {}: test accuracy {:.2f}% ({}/{})\n", epoch, accuracy.percent(),
-               accuracy.correct, accuracy.total);
+    if (run.test.tokens()) {
+      fmt::print("gradsync train: epoch {}: eval: loss {:.4f} nats per token, {:.4f} bits per byte ({} tokens, "
+                 "next byte {:.2f}% correct)\n", epoch, accuracy.nats_per_token(), accuracy.bits_per_byte(),
+                 accuracy.total, accuracy.percent());
+    } else {
+      fmt::print("gradsync train: epoch {}: test accuracy {:.2f}% ({}/{})\n", epoch, accuracy.percent(),
+                 accuracy.correct, accuracy.total);
+    }
   }
-  log.write_accuracy(epoch, last.step, accuracy.percent());
+  log.write_accuracy(epoch, last.step, accuracy.percent(), last.test_loss);
 }
 
 void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records,
@@ -242,6 +281,7 @@ void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& recor
     auto optim = run.engine->full_optim_state_dict(*run.optimizer, /*rank0_only=*/true);  // collective when sharded
     if (rank == 0) save_torch_file(optim, c.save_optim);
   }
+  print_sample(c, *run.engine, world);  // a collective for sharded engines
   if (reports_resources(c) && !c.quiet) {
     if (is_sharded(c.strategy) && rank == 0) fmt::print("gradsync train: {}\n", describe_engine(c, *run.engine));
     print_resource_report(to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), run.model_bytes,
@@ -283,6 +323,8 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
     totals = loop.step_fn(loop.ctx, loop.schedule, s, record);
   } catch (const c10::Error& e) {
     degenerate_batch(e, rank, record, loop.micro_batch);
+  } catch (const ConfigError& e) {  // a micro-batch the loss refuses (no valid token under a token mean)
+    throw ConfigError(fmt::format("rank {}: step {} (epoch {}): {}", rank, record.step, record.epoch, e.what()));
   }
   const bool verify = loop.c.verify_every > 0 && step % loop.c.verify_every == 0;
   if (verify) verify_gradient(loop.ctx, loop.schedule.step(rank, s), step);
@@ -364,7 +406,9 @@ void print_summary(const TrainConfig& c, const std::vector<StepRecord>& records,
   const auto& last = records.back();
   fmt::print("gradsync train: {} steps, {} epoch(s), world size {}, {} reduction; final loss {:.6f}{}{}\n",
              last.step + 1, last.epoch + 1, world_size, c.strategy == Strategy::Local ? "no" : c.reduction, last.loss,
-             last.test_accuracy >= 0 ? fmt::format("; test accuracy {:.2f}%", last.test_accuracy) : "",
+             last.test_loss >= 0 ? fmt::format("; eval loss {:.4f} nats per token, {:.4f} bits per byte",
+                                               last.test_loss, last.test_loss / std::log(2.0))
+             : last.test_accuracy >= 0 ? fmt::format("; test accuracy {:.2f}%", last.test_accuracy) : "",
              c.save_state.empty() ? "" : fmt::format("; state saved to {}", c.save_state));
 }
 

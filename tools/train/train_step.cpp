@@ -11,6 +11,7 @@
 
 #include "gradsync/engine.h"
 #include "gradsync/error.h"
+#include "gradsync/fsdp.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/verify.h"
 #include "data/models.h"
@@ -18,16 +19,38 @@
 namespace gradsync::cli {
 namespace {
 
-// In float32 whatever the engine computes in (FSDP's --param-dtype): the loss is computed in float32.
+// In --dtype whatever the engine computes in (FSDP's --param-dtype): the loss is computed in the model's dtype.
 torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
   auto inputs = ctx.data.inputs.index_select(0, indices);
   auto output = ctx.engine ? ctx.engine->forward(inputs) : ctx.model.forward(inputs);
-  return output.is_floating_point() && output.scalar_type() != torch::kFloat ? output.to(torch::kFloat) : output;
+  const auto dtype = parse_dtype(ctx.config.dtype);
+  return output.is_floating_point() && output.scalar_type() != dtype ? output.to(dtype) : output;
+}
+
+namespace F = torch::nn::functional;
+
+// Logits [B, L, V] against targets [B, L]: the cross-entropy of the valid tokens (targets != -100), summed or
+// averaged over them. The mean of none is 0/0: PyTorch returns NaN and the step would train on it; refuse instead.
+torch::Tensor token_loss(const torch::Tensor& output, const torch::Tensor& target, bool mean) {
+  const auto logits = output.reshape({-1, output.size(-1)});
+  const auto targets = target.reshape({-1});
+  if (mean && !targets.ne(kIgnoreIndex).any().item<bool>()) {
+    throw ConfigError(fmt::format(
+        "a micro-batch of {} sequence(s) holds no valid token (every target is -100): its token mean is 0/0; use "
+        "--loss-reduction sum, or --reduction global-mean, which divides by the step's valid tokens", target.size(0)));
+  }
+  auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex);
+  if (mean) {
+    options.reduction(torch::kMean);
+  } else {
+    options.reduction(torch::kSum);
+  }
+  return F::cross_entropy(logits, targets, options);
 }
 
 torch::Tensor loss_of(const TrainConfig& c, const torch::Tensor& output, const torch::Tensor& target) {
-  namespace F = torch::nn::functional;
   const bool mean = c.loss_reduction == "mean";
+  if (target.dim() == 2 && target.scalar_type() == torch::kLong) return token_loss(output, target, mean);
   if (c.loss == "mse") {
     return mean ? F::mse_loss(output, target, F::MSELossFuncOptions(torch::kMean))
                 : F::mse_loss(output, target, F::MSELossFuncOptions(torch::kSum));
@@ -69,15 +92,11 @@ std::vector<torch::Tensor> decode(const std::string& text) {
   return out;
 }
 
-// The weight of one micro-batch's (per-sample mean) loss in the step's gradient, by reduction:
-// Mean 1/(N*K'_r), Sum 1/K'_r, GlobalMean n_{r,k}/T. This is the single-process statement of each reduction.
-double micro_weight(Reduction reduction, int ranks, size_t group, int64_t items, int64_t total) {
-  switch (reduction) {
-    case Reduction::Mean: return 1.0 / (static_cast<double>(ranks) * static_cast<double>(group));
-    case Reduction::Sum: return 1.0 / static_cast<double>(group);
-    case Reduction::GlobalMean: return static_cast<double>(items) / static_cast<double>(total);
-  }
-  return 0;
+// The weight of one micro-batch's (per-sample mean) loss in the step's gradient: Mean 1/(N*K'_r), Sum 1/K'_r. This is
+// the single-process statement of each reduction; GlobalMean's is the summed item losses over the step's items.
+double micro_weight(Reduction reduction, int ranks, size_t group) {
+  const double k = static_cast<double>(group);
+  return reduction == Reduction::Sum ? 1.0 / k : 1.0 / (static_cast<double>(ranks) * k);
 }
 
 int fault_step(const std::string& spec, const std::string& kind) {
@@ -114,6 +133,14 @@ torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indi
   return loss_of(ctx.config, forward(ctx, indices), ctx.data.targets.index_select(0, indices));
 }
 
+ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices) {
+  if (!ctx.data.tokens()) {  // per-sample mean x sample count = summed per-sample loss
+    return {micro_batch_loss(ctx, indices) * static_cast<double>(indices.numel()), indices.numel()};
+  }
+  const auto targets = ctx.data.targets.index_select(0, indices);
+  return {token_loss(forward(ctx, indices), targets, /*mean=*/false), targets.ne(kIgnoreIndex).sum().item<int64_t>()};
+}
+
 namespace {
 
 // The engine's step: K' micro-batches of this rank (possibly none: it then joins with zeros).
@@ -121,11 +148,9 @@ RecordTotals engine_step(const StepContext& ctx, const std::vector<torch::Tensor
   const auto group = static_cast<int64_t>(micro.size());
   RecordTotals totals;  // global-mean's totals are reduced before its last micro-step, the others' after backward
   if (ctx.reduction == Reduction::GlobalMean) {
-    // Per-sample mean loss x sample count = summed per-sample loss; the engine divides by the global count.
-    auto result = accumulate_global_mean(*ctx.engine, group, [&](int64_t k) {
-      const auto& idx = micro[static_cast<size_t>(k)];
-      return ItemLoss{micro_batch_loss(ctx, idx) * static_cast<double>(idx.numel()), idx.numel()};
-    });
+    // The summed loss of the micro-batch's items (samples or valid tokens); the engine divides by the global count.
+    auto result = accumulate_global_mean(*ctx.engine, group,
+                                         [&](int64_t k) { return micro_batch_items(ctx, micro[static_cast<size_t>(k)]); });
     record.loss = result.mean_loss;
     record.samples = result.total_items;
   } else {
@@ -155,13 +180,13 @@ RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<t
     auto loss = micro_batch_loss(ctx, torch::cat(all));
     loss.backward();
     record.loss = loss.item<double>();
-    record.samples = torch::cat(all).numel();
+    record.samples = ctx.data.tokens() ? micro_batch_items(ctx, torch::cat(all)).items : torch::cat(all).numel();
     return {};
   }
   const int ranks = static_cast<int>(per_rank.size());
   for (const auto& micro : per_rank) {
     for (const auto& idx : micro) {
-      auto weighted = micro_batch_loss(ctx, idx) * micro_weight(ctx.reduction, ranks, micro.size(), 0, 0);
+      auto weighted = micro_batch_loss(ctx, idx) * micro_weight(ctx.reduction, ranks, micro.size());
       weighted.backward();
       record.loss += weighted.item<double>();
       record.samples += idx.numel();
@@ -195,20 +220,25 @@ void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& m
   const auto gradients = ctx.engine->full_gradients();
   if (comm.rank() != 0) return;
   std::vector<std::vector<torch::Tensor>> per_rank;
-  int64_t total = 0;
-  for (const auto& text : everyone) {
-    per_rank.push_back(decode(text));
-    total += count(per_rank.back());
-  }
   // A fresh copy of the model at the pre-update parameters computes the gradient the reduction claims.
   auto reference = make_model(ctx.config.model);
+  reference->to(parse_dtype(ctx.config.dtype));
   load_into(*reference, parameters);
   reference->train();
   StepContext local{ctx.config, ctx.data, reference, nullptr, nullptr, ctx.reduction};
+  int64_t total = 0, items = 0;
+  for (const auto& text : everyone) {
+    per_rank.push_back(decode(text));
+    total += count(per_rank.back());
+    for (const auto& idx : per_rank.back()) items += ctx.data.tokens() ? micro_batch_items(local, idx).items : 0;
+  }
   for (const auto& rank_micro : per_rank) {
     for (const auto& idx : rank_micro) {
-      const double w = micro_weight(ctx.reduction, comm.size(), rank_micro.size(), idx.numel(), total);
-      (micro_batch_loss(local, idx) * w).backward();
+      if (ctx.reduction == Reduction::GlobalMean) {  // summed item losses / the step's items (samples or tokens)
+        (micro_batch_items(local, idx).summed_loss / static_cast<double>(ctx.data.tokens() ? items : total)).backward();
+        continue;
+      }
+      (micro_batch_loss(local, idx) * micro_weight(ctx.reduction, comm.size(), rank_micro.size())).backward();
     }
   }
   std::vector<std::string> names;

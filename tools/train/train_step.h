@@ -28,6 +28,10 @@ struct StepContext {
 // The per-sample-mean (or summed, per --loss-reduction) loss of one micro-batch in float32, with its graph.
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices);
 
+// The summed loss of one micro-batch's items and their count, for Reduction::GlobalMean: samples (the per-sample mean
+// times their count) or, for token data, the cross-entropy summed over the valid tokens and their count.
+ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices);
+
 // A step's loss and sample count summed over ranks, in flight (one 16-byte allreduce) while the optimizer steps:
 // waiting for it right after backward added its round trip and the ranks' skew (0.25-1.6 ms a step on Gloo here).
 class RecordTotals {
