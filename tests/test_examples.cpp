@@ -50,6 +50,15 @@ TEST(Examples, TokenClassificationInOneProcess) {
   EXPECT_NE(r.out.find("1 rank, 2 micro-batches each"), std::string::npos) << r.describe();
 }
 
+// Your own GPT (blocks in a Sequential, its loop unchanged) under FSDP with a unit per block and GlobalMean over
+// ragged token counts: the program compares itself with one process on the global batch and exits 1 if it differs.
+TEST(Examples, GptUnderFsdpWithBlocksAsUnitsIsOneProcessOnTheGlobalBatch) {
+  auto r = t::run({GRADSYNC_BIN, "launch", "-n", "3", "--", kExamples + "/gpt"}, options());
+  ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_NE(r.out.find("[rank0]: 3 ranks, units: blocks.0 blocks.1 (root)"), std::string::npos) << r.describe();
+  EXPECT_NE(r.out.find("equals one process on the global batch: yes"), std::string::npos) << r.describe();
+}
+
 }  // namespace
 
 namespace {
@@ -93,7 +102,7 @@ std::string unpacked_fashion_mnist() {
 
 TEST(Examples, EveryOutputTheReadmeQuotesIsWhatTheProgramPrints) {
   const auto quotes = readme_quotes();
-  ASSERT_GE(quotes.size(), 4u) << "sum_vs_mean, ddp_fashion_mnist, fsdp_layers and accumulation are quoted";
+  ASSERT_GE(quotes.size(), 5u) << "sum_vs_mean, ddp_fashion_mnist, fsdp_layers, accumulation and gpt are quoted";
   const std::string fmnist = unpacked_fashion_mnist();
   for (auto q : quotes) {
     for (auto& a : q.argv) {

@@ -153,13 +153,14 @@ TEST(GptTrain, AMicroBatchWithoutAValidTokenIsRefusedByATokenMeanOnly) {
 }
 
 // --reduction global-mean on 3 ranks without padding (uneven ranks, ragged token counts, K = 2) against one process on
-// each step's sequences: 1e-10 in float64, 1e-5 in float32; the per-micro-batch token mean (DDP's default) is not.
+// each step's sequences (gradsync's --replay-ranks, itself checked against PyTorch's): 1e-10 in float64, 1e-5 in
+// float32; the per-micro-batch token mean (DDP's default) is not.
 TEST(GptTrain, GlobalMeanUnderEveryEngineIsOneProcessOnEachStepsSequences) {
   const std::string dir = make_case("gpt:23-6-12-2-2", 50);
   for (const std::string dtype : {"fp64", "fp32"}) {
     const std::vector<std::string> common{"--model", "gpt:23-6-12-2-2", "--data", dir + "/data.pt", "--init-state",
                                           dir + "/init.pt", "--global-batch", "12", "--accumulate", "2",
-                                          "--optimizer", "adam", "--lr", "0.01", "--steps", "6", "--no-pad",
+                                          "--optimizer", "adam", "--lr", "0.01", "--steps", "4", "--no-pad",
                                           "--dtype", dtype, "--quiet"};
     auto run = [&](const std::string& name, std::vector<std::string> flags) {
       flags.insert(flags.begin(), {GRADSYNC_BIN, "train", "--save-state", dir + "/" + name + ".pt"});
@@ -168,6 +169,14 @@ TEST(GptTrain, GlobalMeanUnderEveryEngineIsOneProcessOnEachStepsSequences) {
       EXPECT_TRUE(r.ok()) << name << ": " << r.describe();
     };
     run("one-" + dtype, {"--strategy", "local", "--replay-ranks", "3", "--reduction", "global-mean"});
+    // The same one process in real PyTorch (tests/reference/torch_global_batches.py).
+    std::vector<std::string> py{kPython, kReference + "/torch_global_batches.py", "--ranks", "3", "--save-state",
+                                dir + "/pytorch-" + dtype + ".pt"};
+    py.insert(py.end(), common.begin(), common.end() - 1);  // not --quiet
+    auto reference = t::run(py, options());
+    ASSERT_TRUE(reference.ok()) << reference.describe();
+    expect_within(dir + "/one-" + dtype + ".pt", dir + "/pytorch-" + dtype + ".pt", dtype == "fp64" ? 1e-10 : 1e-5,
+                  "one process against PyTorch's, " + dtype);
     run("mean-" + dtype, {"--strategy", "ddp", "--world-size", "3"});
     // float32: the ranks' sums in another order round differently, and Adam's 1/sqrt(v) amplifies that where a
     // gradient is tiny (a few elements differ by 1e-4 of themselves), so the bound is on each tensor's scale.

@@ -274,6 +274,9 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
       {"cnn:4-8-0", "'0' is not a positive integer"},
       {"res:8-16-10", "res takes exactly four sizes (inputs, width, blocks, outputs), got 3"},
       {"res:8-16-0-10", "'0' is not a positive integer"},
+      {"gpt:256-64-64-2", "gpt takes exactly five sizes (vocabulary, context, width, blocks, heads), got 4"},
+      {"gpt:256-64-66-2-4", "gpt's width 66 is not a multiple of its 4 heads"},
+      {"gpt:256-0-64-2-4", "'0' is not a positive integer"},
       {"conv:4-8-10", "unknown model kind 'conv'"},
       {"MLP:784-10", "unknown model kind 'MLP'"},
       {"mlp:99999999999999999999-10", "too large"},
@@ -282,8 +285,8 @@ TEST(ModelSpec, BadSpecsNameTheProblemAndTheAllowedForms) {
     SCOPED_TRACE("spec '" + c.spec + "'");
     const std::string msg = error_of<gradsync::ConfigError>([&] { make_model(c.spec); });
     EXPECT_NE(msg.find(c.expected), std::string::npos) << msg;
-    EXPECT_NE(msg.find("expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT, cnn:C1-C2-OUT or res:IN-H-B-OUT"),
-              std::string::npos) << msg;
+    EXPECT_NE(msg.find("expected mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT, cnn:C1-C2-OUT, res:IN-H-B-OUT or "
+                       "gpt:V-T-D-L-H"), std::string::npos) << msg;
     error_of<gradsync::ConfigError>([&] { gradsync::cli::model_input_size(c.spec); });
     error_of<gradsync::ConfigError>([&] { gradsync::cli::model_output_size(c.spec); });
   }

@@ -6,13 +6,17 @@ Reference tooling (python3-torch), never part of the product. Run with /usr/bin/
 
     torch_global_batches.py --model SPEC --data FILE --global-batch B --ranks N [--accumulate K] [--no-pad]
                             [--optimizer sgd|adam] [--lr F] [--momentum F] [--loss ce|mse]
-                            [--steps S | --epochs E] [--seed S] [--no-shuffle] --init-state FILE --save-state FILE
+                            [--steps S | --epochs E] [--seed S] [--no-shuffle] [--dtype fp32|fp64]
+                            --init-state FILE --save-state FILE
 
 Rank r's stream in epoch e is DistributedSampler(n, N, r, shuffle, seed, drop_last=False) after set_epoch(e)
 (or, with --no-pad, the same permutation without wrap-around padding: positions r, r+N, ... of it), cut into
 micro-batches of b = B/(N*K); optimizer step s of the epoch takes micro-batches s*K .. s*K+K-1 of every rank
 (fewer, or none, at the end of an epoch). The step's loss is the per-sample mean loss over the concatenation of
 all those micro-batches: the gradient of the mean over every sample of the step, whatever the per-rank counts.
+For a gpt:V-T-D-L-H model on token data (torch_train.py's token specs and files) it is the mean over every valid
+token (targets != -100) of the step's sequences; a step without one is an error (its mean is 0/0). --dtype: the
+model after --init-state, float data and the loss, as torch_train.py.
 """
 import argparse
 import math
@@ -22,7 +26,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from torch_train import build_model, load_dataset, parse_model_spec  # noqa: E402
+from torch_train import build_model, load_model_data, parse_model_spec  # noqa: E402
 
 
 def rank_indices(n, ranks, rank, shuffle, seed, epoch, pad):
@@ -59,13 +63,13 @@ def main():
     p.add_argument("--no-shuffle", dest="shuffle", action="store_false", default=True)
     p.add_argument("--init-state", required=True)
     p.add_argument("--save-state", required=True)
+    p.add_argument("--dtype", choices=["fp32", "fp64"], default="fp32")
     a = p.parse_args()
     torch.set_num_threads(1)
 
-    kind, sizes = parse_model_spec(a.model)
-    if kind == "gpt":
-        p.error(f"--model {a.model}: gpt (token data) is not supported here, only the feature models")
-    X, Y = load_dataset(a.data, sizes[0], sizes[-1], a.loss, a.seed)
+    kind, _ = parse_model_spec(a.model)
+    dtype = torch.float64 if a.dtype == "fp64" else torch.float32
+    X, Y = load_model_data(a.data, a.model, a.loss, a.seed, dtype)
     n, N, K = X.shape[0], a.ranks, a.accumulate
     if a.global_batch % (N * K):
         p.error(f"--global-batch {a.global_batch} is not divisible by ranks x accumulate = {N * K}")
@@ -73,12 +77,20 @@ def main():
     torch.manual_seed(a.seed)
     model = build_model(a.model)
     model.load_state_dict(torch.load(a.init_state), strict=True)
+    model.to(dtype)
     model.train()
     if a.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=0.01 if a.lr is None else a.lr, momentum=a.momentum)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3 if a.lr is None else a.lr)
-    criterion = torch.nn.CrossEntropyLoss() if a.loss == "ce" else torch.nn.MSELoss()
+    if kind == "gpt":  # the mean over the valid tokens of the step (cross_entropy's ignore_index)
+        def criterion(logits, targets):
+            if not bool((targets != -100).any()):
+                sys.exit(f"{sys.argv[0]}: a step without a valid token has no token mean (0/0)")
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                     ignore_index=-100)
+    else:
+        criterion = torch.nn.CrossEntropyLoss() if a.loss == "ce" else torch.nn.MSELoss()
 
     def micro_batches(epoch):
         per_rank = []

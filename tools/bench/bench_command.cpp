@@ -51,7 +51,8 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   auto* cmd = root.add_subcommand(
       "bench", "Time training steps (and memory, bytes sent) of a strategy, against python3-torch DDP in the same "
                "run with --compare-pytorch; `bench allreduce` times the collective alone");
-  cmd->add_option("--model", c->model, "mlp:IN-H...-OUT, mlp-bn:..., cnn:C1-C2-OUT or res:IN-H-B-OUT (default "
+  cmd->add_option("--model", c->model, "mlp:IN-H...-OUT, mlp-bn:..., cnn:C1-C2-OUT, res:IN-H-B-OUT or gpt:V-T-D-L-H "
+                  "(sequences of T random tokens, every position a target; tokens/s in the table) (default "
                   "mlp:1024-1024-1024-1024-1024-10)");
   cmd->add_option("--per-rank-batch", c->per_rank_batch, "samples per rank per step (default 64)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));

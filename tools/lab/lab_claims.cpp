@@ -143,8 +143,9 @@ std::vector<Case> token_global_cases(const LabResults& r) {
   return out;
 }
 
-const std::vector<ClaimSpec>& claims() {
-  static const std::vector<ClaimSpec> table{
+// The claims about images and per-sample means, decided by the other experiments.
+std::vector<ClaimSpec> sum_or_mean_claims() {
+  return {
       {"ddp-averages", "answer 1", "DDP averages the per-process gradients internally; no user code is needed.",
        "DDP는 프로세스별 gradient를 내부에서 평균 낸다; 사용자 코드는 필요 없다.",
        "DDP on equal shares vs one process on the global batch: distance to the mean (claim) and to the sum",
@@ -191,6 +192,12 @@ const std::vector<ClaimSpec>& claims() {
        "DDP with each rank's loss summed over its share: relative distance to the gradient of the summed loss of "
        "the global batch (claim) and to it / N",
        nullptr, nullptr, summed_loss_cases},
+  };
+}
+
+// The claims about language models, decided by the tokens experiment.
+std::vector<ClaimSpec> token_claims() {
+  return {
       {"token-mean-over-k", "common belief",
        "Dividing each micro-batch's token-mean loss by K gives the full-batch gradient of a language model.",
        "각 micro-batch의 token 평균 loss를 K로 나누면 언어 모델의 전체 배치 gradient가 된다.",
@@ -212,8 +219,17 @@ const std::vector<ClaimSpec>& claims() {
        "and to the mean of token means",
        nullptr, nullptr, token_global_cases},
   };
+}
+
+const std::vector<ClaimSpec>& claims() {
+  static const std::vector<ClaimSpec> table = [] {
+    std::vector<ClaimSpec> all = sum_or_mean_claims();
+    for (auto& c : token_claims()) all.push_back(std::move(c));
+    return all;
+  }();
   return table;
 }
+
 
 bool supports(const Case& c, double tol) { return c.to_claim <= tol && c.to_alternative > tol; }
 bool refutes(const Case& c, double tol) { return c.to_alternative <= tol && c.to_claim > tol; }

@@ -159,6 +159,9 @@ void write_data(OutDir& out, const LabResults& r) {
   const auto [claims_csv, claims_dat] = claims_data(r);
   out.write("claims.csv", claims_csv);
   out.write("claims.dat", claims_dat);
+}
+
+void write_token_data(OutDir& out, const LabResults& r) {
   if (r.tokens.rows.empty()) return;
   const auto [tokens_csv, tokens_dat] = tokens_data(r);
   out.write("tokens.csv", tokens_csv);
@@ -392,6 +395,7 @@ nlohmann::ordered_json to_json(const LabResults& r) {
 void write_report(LabResults& r) {
   OutDir out(r);
   write_data(out, r);
+  write_token_data(out, r);
   out.write("plots.gp", gnuplot_script(r));
   render_plots(out, r);
   r.files.push_back("report.md");

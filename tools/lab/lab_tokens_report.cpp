@@ -95,7 +95,7 @@ std::string tokens_section(const LabResults& r) {
                      sci(row.mean_of_means_rel_diff), sci(row.mean_of_means_predicted_rel_diff),
                      sci(row.mean_of_means_to_prediction), sci(row.global_mean_rel_diff));
   }
-  s += fmt::format("\nThen {} Adam steps at N = {}, K = {} (float32): after them the parameters' update of (a) is {} "
+  s += fmt::format("\nThen {} Adam steps (lr 2e-3, float64) at N = {}, K = {}: after them the parameters' update of (a) is {} "
                    "away from the reference's (relative), (b)'s {}.\n\n", t.curves.steps, t.curves.world_size,
                    t.curves.accumulate, sci(t.curves.mean_of_means_final_rel_diff),
                    sci(t.curves.global_mean_final_rel_diff));

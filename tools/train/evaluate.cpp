@@ -10,6 +10,7 @@
 #include "gradsync/error.h"
 #include "gradsync/fsdp.h"
 #include "gradsync/state_dict.h"
+#include "train/model_data.h"
 
 namespace gradsync::cli {
 
@@ -22,12 +23,6 @@ std::string eval_data_spec(const TrainConfig& c) {
   throw ConfigError(fmt::format("--eval needs a held-out split: --data {} has none; give --eval-data SPEC "
                                 "(fashion-mnist:test, fortunes:test, text-test:PATH, synthetic:N or a torch.save "
                                 "file)", c.data));
-}
-
-Model build_model(const TrainConfig& c) {
-  auto model = make_model(c.model);
-  model->to(parse_dtype(c.dtype));
-  return model;
 }
 
 namespace {

@@ -31,8 +31,6 @@ struct Accuracy {
 // without --eval. ConfigError when --eval has no split to use.
 std::string eval_data_spec(const TrainConfig& c);
 
-// The model --model names, in --dtype (what every copy of the trained model is built as).
-Model build_model(const TrainConfig& c);
 
 // Collective (every rank calls it, after the same step): argmax of the model's output against the labels (ce:
 // class indices; mse: the argmax of the one-hot target rows).

@@ -28,6 +28,7 @@
 #include "train/engine_factory.h"
 #include "train/evaluate.h"
 #include "train/flag.h"
+#include "train/model_data.h"
 #include "train/resource_report.h"
 #include "train/schedule.h"
 #include "train/step_log.h"
@@ -73,28 +74,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, En
       torch::optim::SGDOptions(c.lr.value_or(0.01)).momentum(c.momentum.value_or(0)).weight_decay(c.weight_decay));
 }
 
-// --freeze: every prefix must name at least one parameter.
-void freeze_parameters(const TrainConfig& c, const Model& model) {
-  for (const auto& prefix : c.freeze) {
-    int64_t frozen = 0;
-    std::vector<std::string> names;
-    for (const auto& p : model->named_parameters(/*recurse=*/true)) {
-      names.push_back(p.key());
-      if (p.key().rfind(prefix, 0) != 0) continue;
-      p.value().set_requires_grad(false);
-      ++frozen;
-    }
-    if (frozen == 0) {
-      throw ConfigError(fmt::format("--freeze {}: no parameter name starts with it; the parameters are {}", prefix,
-                                    fmt::join(names, ", ")));
-    }
-  }
-  const auto params = model->parameters();
-  if (!c.freeze.empty() && std::none_of(params.begin(), params.end(), [](const auto& p) { return p.requires_grad(); })) {
-    throw ConfigError(fmt::format("--freeze {}: every parameter would be frozen, leaving nothing to train",
-                                  fmt::join(c.freeze, ",")));
-  }
-}
 
 constexpr double kMaxTimeoutSeconds = 86400.0 * 365;
 
@@ -122,26 +101,6 @@ int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
   return c.epochs.value_or(1) * steps_per_epoch;
 }
 
-// gpt trains on token data with ce, and only gpt does; --sample needs its bytes.
-void check_model_data(const TrainConfig& c) {
-  const auto spec = parse_model_spec(c.model);
-  if (!spec.gpt) {
-    if (is_text_spec(c.data)) {
-      throw ConfigError(fmt::format("--data {} is text (token sequences) for a gpt model; --model {} takes rows of "
-                                    "numbers", c.data, c.model));
-    }
-    if (c.sample > 0) throw ConfigError(fmt::format("--sample generates text with a gpt model, not {}", c.model));
-    return;
-  }
-  if (c.loss != "ce") {
-    throw ConfigError(fmt::format("--loss {} with --model {}: a gpt model predicts tokens; use --loss ce", c.loss,
-                                  c.model));
-  }
-  if (c.sample > 0 && spec.output_size() != 256) {
-    throw ConfigError(fmt::format("--sample prints bytes; --model {} has a vocabulary of {}, not 256", c.model,
-                                  spec.output_size()));
-  }
-}
 
 }  // namespace
 
@@ -214,22 +173,12 @@ struct Run {
   int64_t model_bytes = 0;  // Psi in bytes, measured before an engine re-types parameters (--param-dtype)
 };
 
-// The data a spec names for the model: tokens for gpt, rows otherwise; float values in --dtype.
-Dataset load_data(const TrainConfig& c, const std::string& spec, uint64_t seed) {
-  const auto model = parse_model_spec(c.model);
-  if (model.gpt) return load_token_dataset(spec, model.output_size(), model.input_size(), seed);
-  auto data = load_dataset(spec, model.input_size(), model.output_size(), parse_loss_kind(c.loss), seed);
-  const auto dtype = parse_dtype(c.dtype);
-  data.inputs = data.inputs.to(dtype);
-  if (data.targets.is_floating_point()) data.targets = data.targets.to(dtype);
-  return data;
-}
 
 Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   torch::manual_seed(c.seed);
   Run run{make_model(c.model), {}, {}, nullptr, nullptr, 0};
   if (!c.init_state.empty()) load_into(*run.model, load_state_dict(c.init_state));
-  run.model->to(parse_dtype(c.dtype));  // after --init-state: a float32 file starts a float64 run
+  to_dtype(*run.model, parse_dtype(c.dtype));  // after --init-state: a float32 file starts a float64 run
   run.data = load_data(c, c.data, c.seed);
   if (const auto split = eval_data_spec(c); !split.empty()) run.test = load_data(c, split, c.seed + 1);
   run.model_bytes = parameter_bytes(*run.model);

@@ -88,12 +88,8 @@ void add_checkpoint_options(CLI::App* cmd, TrainConfig& c) {
       ->check(CLI::Range(0, kMaxRestarts));
 }
 
-}  // namespace
-
-void add_train_command(CLI::App& root, int& exit_code) {
-  auto config = std::make_shared<TrainConfig>();
-  auto* cmd = root.add_subcommand("train", "Train a model locally or data-parallel (the PyTorch DDP recipe, in C++)");
-  auto& c = *config;
+// The model, its data and loss, and what --eval and --sample report of it.
+void add_model_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--model", c.model, "mlp:IN-H...-OUT, mlp-bn:IN-H...-OUT (BatchNorm1d per hidden layer), "
                   "cnn:C1-C2-OUT (two Conv2d+ReLU+MaxPool2d, then Linear, on 28x28 images), res:IN-H-B-OUT "
                   "(Linear, B residual blocks h + fc(relu(norm(h))), Linear) or gpt:V-T-D-L-H (a transformer: "
@@ -107,6 +103,24 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--dtype", c.dtype, "fp32 (default) or fp64: the whole model after --init-state, float data and "
                   "the loss")
       ->check(CLI::IsMember({"fp32", "fp64"}));
+  cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse")->check(CLI::IsMember({"ce", "mse"}));
+  cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples (token data: "
+                  "over its valid tokens; a micro-batch without one is an error under mean)")
+      ->check(CLI::IsMember({"mean", "sum"}));
+  cmd->add_flag("--eval", c.eval, "after every epoch and at the end: accuracy on the test split (fashion-mnist:test; "
+                "gpt on text: the held-out documents, with the loss in nats per token and bits per byte)");
+  cmd->add_option("--eval-data", c.eval_data, "the split --eval uses (a data spec; implies --eval)");
+  cmd->add_option("--sample", c.sample, "gpt on text: print N bytes the trained model generates (fixed seed)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& root, int& exit_code) {
+  auto config = std::make_shared<TrainConfig>();
+  auto* cmd = root.add_subcommand("train", "Train a model locally or data-parallel (the PyTorch DDP recipe, in C++)");
+  auto& c = *config;
+  add_model_options(cmd, c);
   cmd->add_option("--global-batch", c.global_batch, "samples per optimizer step over all ranks and micro-steps")
       ->required();
   cmd->add_option("--accumulate", c.accumulate, "micro-batches per step; each rank's micro-batch is B/(N*K)")
@@ -119,10 +133,6 @@ void add_train_command(CLI::App& root, int& exit_code) {
                   "fsdp-no-shard or zero1 (see docs/sharding.md)")
       ->transform(CLI::CheckedTransformer(strategy_names(), CLI::ignore_case).description(""));
   add_optimizer_options(cmd, c);
-  cmd->add_option("--loss", c.loss, "ce (cross-entropy) or mse")->check(CLI::IsMember({"ce", "mse"}));
-  cmd->add_option("--loss-reduction", c.loss_reduction, "mean or sum over one micro-batch's samples (token data: "
-                  "over its valid tokens; a micro-batch without one is an error under mean)")
-      ->check(CLI::IsMember({"mean", "sum"}));
   cmd->add_option("--reduction", c.reduction,
                   "mean (PyTorch DDP: 1/N of the sum), sum, or global-mean (1/T of the sum of per-sample gradients, "
                   "T = samples, or valid tokens, in the step over all ranks and micro-batches)")
@@ -150,11 +160,6 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)")
       ->check(CLI::Range(0.001, 86400.0 * 365));
   cmd->add_flag("--quiet", c.quiet, "no summary line");
-  cmd->add_flag("--eval", c.eval, "after every epoch and at the end: accuracy on the test split (fashion-mnist:test; "
-                "gpt on text: the held-out documents, with the loss in nats per token and bits per byte)");
-  cmd->add_option("--eval-data", c.eval_data, "the split --eval uses (a data spec; implies --eval)");
-  cmd->add_option("--sample", c.sample, "gpt on text: print N bytes the trained model generates (fixed seed)")
-      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
   add_engine_options(cmd, c);
   add_checkpoint_options(cmd, c);
   cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });

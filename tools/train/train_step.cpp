@@ -15,6 +15,7 @@
 #include "gradsync/state_dict.h"
 #include "gradsync/verify.h"
 #include "data/models.h"
+#include "train/model_data.h"
 
 namespace gradsync::cli {
 namespace {
@@ -221,8 +222,7 @@ void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& m
   if (comm.rank() != 0) return;
   std::vector<std::vector<torch::Tensor>> per_rank;
   // A fresh copy of the model at the pre-update parameters computes the gradient the reduction claims.
-  auto reference = make_model(ctx.config.model);
-  reference->to(parse_dtype(ctx.config.dtype));
+  auto reference = build_model(ctx.config);
   load_into(*reference, parameters);
   reference->train();
   StepContext local{ctx.config, ctx.data, reference, nullptr, nullptr, ctx.reduction};
