@@ -11,6 +11,7 @@
 #include "gradsync/fsdp.h"
 #include "gradsync/state_dict.h"
 #include "train/model_data.h"
+#include "train/train_step.h"
 
 namespace gradsync::cli {
 
@@ -27,11 +28,10 @@ std::string eval_data_spec(const TrainConfig& c) {
 
 namespace {
 
-// The trained model, whole, in a copy of this rank's own (a collective for the sharded engines).
-Model trained_copy(const TrainConfig& c, Engine& engine, bool rank0_only) {
-  const auto state = engine.state_dict(rank0_only);
+// A copy of the trained model from its whole state (engine.state_dict(), a collective for the sharded engines).
+Model trained_copy(const TrainConfig& c, const StateDict& state) {
   auto model = build_model(c);
-  if (!state.empty()) load_into(*model, state);
+  load_into(*model, state);
   model->eval();
   return model;
 }
@@ -41,13 +41,9 @@ void score(const TrainConfig& c, const Model& model, const Dataset& test, int64_
   const auto output = model.forward(test.inputs.narrow(0, start, rows));
   auto labels = test.targets.narrow(0, start, rows);
   if (test.tokens()) {
-    const auto logits = output.reshape({-1, output.size(-1)}).to(torch::kDouble);
-    const auto targets = labels.reshape({-1});
-    const auto valid = targets.ne(kIgnoreIndex);
-    namespace F = torch::nn::functional;
-    a.loss_sum += F::cross_entropy(logits, targets, F::CrossEntropyFuncOptions().reduction(torch::kSum)
-                                                        .ignore_index(kIgnoreIndex)).item<double>();
-    a.correct += logits.argmax(1).eq(targets).logical_and(valid).sum().item<int64_t>();
+    a.loss_sum += token_loss(output.to(torch::kDouble), labels, /*mean=*/false).item<double>();
+    const auto targets = labels.reshape({-1}), valid = targets.ne(kIgnoreIndex);
+    a.correct += output.reshape({-1, output.size(-1)}).argmax(1).eq(targets).logical_and(valid).sum().item<int64_t>();
     a.total += valid.sum().item<int64_t>();
     return;
   }
@@ -59,7 +55,7 @@ void score(const TrainConfig& c, const Model& model, const Dataset& test, int64_
 }  // namespace
 
 Accuracy evaluate(const TrainConfig& c, Engine& engine, const Dataset& test, const std::shared_ptr<World>& world) {
-  const auto model = trained_copy(c, engine, /*rank0_only=*/false);  // every rank calls it: a gather when sharded
+  const auto model = trained_copy(c, engine.state_dict(/*rank0_only=*/false));  // every rank: a gather when sharded
   torch::NoGradGuard no_grad;
   const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
   const int64_t block = test.tokens() ? 64 : 1000;  // sequences hold T positions of V logits each
@@ -76,9 +72,9 @@ Accuracy evaluate(const TrainConfig& c, Engine& engine, const Dataset& test, con
 
 void print_sample(const TrainConfig& c, Engine& engine, const std::shared_ptr<World>& world) {
   if (c.sample <= 0) return;
-  const bool main = !world || world->is_main();
-  const auto model = trained_copy(c, engine, /*rank0_only=*/true);
-  if (!main) return;
+  const auto state = engine.state_dict(/*rank0_only=*/true);  // every rank calls it; only rank 0 gets the model
+  if (world && !world->is_main()) return;
+  const auto model = trained_copy(c, state);
   auto* gpt = dynamic_cast<gpt::GptImpl*>(&*model);
   if (gpt == nullptr) throw ConfigError(fmt::format("--sample needs a gpt model, not {}", c.model));
   const std::string prompt = "The ";

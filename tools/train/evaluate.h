@@ -1,9 +1,9 @@
 // defines: `gradsync train --eval`: after every epoch, the model's accuracy on a held-out split (Fashion-MNIST's
 // test set, or --eval-data), as PyTorch's MNIST example reports it; for token data also the loss per token (summed
-// over every valid token of the split, divided by their count over all ranks) and --sample's generated text. Evaluation never touches the engine's
-// state: every rank takes the full model (engine.state_dict(), a gather for sharded strategies) into its own copy,
-// classifies every N-th block of the split and the counts are summed over ranks, so training runs exactly as
-// without --eval.
+// over every valid token of the split, divided by their count over all ranks) and --sample's generated text.
+// Evaluation never touches the engine's state: every rank takes the full model (engine.state_dict(), a gather for
+// sharded strategies) into its own copy, classifies every N-th block of the split and the counts are summed over
+// ranks, so training runs exactly as without --eval.
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -30,25 +30,6 @@ torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
 
 namespace F = torch::nn::functional;
 
-// Logits [B, L, V] against targets [B, L]: the cross-entropy of the valid tokens (targets != -100), summed or
-// averaged over them. The mean of none is 0/0: PyTorch returns NaN and the step would train on it; refuse instead.
-torch::Tensor token_loss(const torch::Tensor& output, const torch::Tensor& target, bool mean) {
-  const auto logits = output.reshape({-1, output.size(-1)});
-  const auto targets = target.reshape({-1});
-  if (mean && !targets.ne(kIgnoreIndex).any().item<bool>()) {
-    throw ConfigError(fmt::format(
-        "a micro-batch of {} sequence(s) holds no valid token (every target is -100): its token mean is 0/0; use "
-        "--loss-reduction sum, or --reduction global-mean, which divides by the step's valid tokens", target.size(0)));
-  }
-  auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex);
-  if (mean) {
-    options.reduction(torch::kMean);
-  } else {
-    options.reduction(torch::kSum);
-  }
-  return F::cross_entropy(logits, targets, options);
-}
-
 torch::Tensor loss_of(const TrainConfig& c, const torch::Tensor& output, const torch::Tensor& target) {
   const bool mean = c.loss_reduction == "mean";
   if (target.dim() == 2 && target.scalar_type() == torch::kLong) return token_loss(output, target, mean);
@@ -130,6 +111,27 @@ void inject_crash(const StepContext& ctx, int64_t step) {
   if (last_rank && (always == step || (first && first_attempt == step))) ::raise(SIGKILL);  // tests only
 }
 
+torch::Tensor token_loss(const torch::Tensor& output, const torch::Tensor& target, bool mean) {
+  const auto logits = output.reshape({-1, output.size(-1)});
+  const auto targets = target.reshape({-1});
+  if (mean && !targets.ne(kIgnoreIndex).any().item<bool>()) {
+    throw ConfigError(fmt::format(
+        "a micro-batch of {} sequence(s) holds no valid token (every target is -100): its token mean is 0/0; use "
+        "--loss-reduction sum, or --reduction global-mean, which divides by the step's valid tokens", target.size(0)));
+  }
+  auto options = F::CrossEntropyFuncOptions().ignore_index(kIgnoreIndex);
+  if (mean) {
+    options.reduction(torch::kMean);
+  } else {
+    options.reduction(torch::kSum);
+  }
+  return F::cross_entropy(logits, targets, options);
+}
+
+int64_t items_in(const Dataset& data, const torch::Tensor& indices) {
+  return data.tokens() ? data.targets.index_select(0, indices).ne(kIgnoreIndex).sum().item<int64_t>() : indices.numel();
+}
+
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices) {
   return loss_of(ctx.config, forward(ctx, indices), ctx.data.targets.index_select(0, indices));
 }
@@ -138,8 +140,8 @@ ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices)
   if (!ctx.data.tokens()) {  // per-sample mean x sample count = summed per-sample loss
     return {micro_batch_loss(ctx, indices) * static_cast<double>(indices.numel()), indices.numel()};
   }
-  const auto targets = ctx.data.targets.index_select(0, indices);
-  return {token_loss(forward(ctx, indices), targets, /*mean=*/false), targets.ne(kIgnoreIndex).sum().item<int64_t>()};
+  return {token_loss(forward(ctx, indices), ctx.data.targets.index_select(0, indices), /*mean=*/false),
+          items_in(ctx.data, indices)};
 }
 
 namespace {
@@ -181,7 +183,7 @@ RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<t
     auto loss = micro_batch_loss(ctx, torch::cat(all));
     loss.backward();
     record.loss = loss.item<double>();
-    record.samples = ctx.data.tokens() ? micro_batch_items(ctx, torch::cat(all)).items : torch::cat(all).numel();
+    record.samples = items_in(ctx.data, torch::cat(all));
     return {};
   }
   const int ranks = static_cast<int>(per_rank.size());
@@ -230,12 +232,12 @@ void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& m
   for (const auto& text : everyone) {
     per_rank.push_back(decode(text));
     total += count(per_rank.back());
-    for (const auto& idx : per_rank.back()) items += ctx.data.tokens() ? micro_batch_items(local, idx).items : 0;
+    for (const auto& idx : per_rank.back()) items += items_in(ctx.data, idx);
   }
   for (const auto& rank_micro : per_rank) {
     for (const auto& idx : rank_micro) {
       if (ctx.reduction == Reduction::GlobalMean) {  // summed item losses / the step's items (samples or tokens)
-        (micro_batch_items(local, idx).summed_loss / static_cast<double>(ctx.data.tokens() ? items : total)).backward();
+        (micro_batch_items(local, idx).summed_loss / static_cast<double>(items)).backward();
         continue;
       }
       (micro_batch_loss(local, idx) * micro_weight(ctx.reduction, comm.size(), rank_micro.size())).backward();

@@ -28,6 +28,13 @@ struct StepContext {
 // The per-sample-mean (or summed, per --loss-reduction) loss of one micro-batch in float32, with its graph.
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices);
 
+// Logits [B, L, V] against targets [B, L]: the cross-entropy of the valid tokens (targets != -100), summed or
+// averaged over them. The mean of none is 0/0: PyTorch returns NaN and the step would train on it; ConfigError instead.
+torch::Tensor token_loss(const torch::Tensor& output, const torch::Tensor& target, bool mean);
+
+// The items of the samples `indices` of `data`: their count, or for token data their valid targets (no forward).
+int64_t items_in(const Dataset& data, const torch::Tensor& indices);
+
 // The summed loss of one micro-batch's items and their count, for Reduction::GlobalMean: samples (the per-sample mean
 // times their count) or, for token data, the cross-entropy summed over the valid tokens and their count.
 ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices);
