@@ -14,5 +14,6 @@
 #include "gradsync/sampler.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
+#include "gradsync/sync_batch_norm.h"
 #include "gradsync/verify.h"
 #include "gradsync/zero.h"

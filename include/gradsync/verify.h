@@ -25,9 +25,11 @@ GradientCheck compare_gradients(const std::vector<std::string>& names, const std
 // A 64-bit FNV-1a digest of a tensor's bytes: equal digests mean bit-identical values (in practice).
 uint64_t tensor_digest(const torch::Tensor& tensor);
 
-// Every rank digests its parameters and buffers; one allgather of the digests (16 bytes per tensor per rank)
-// compares them with rank 0's. A difference throws DistributedError on every rank, naming the first divergent
-// tensor and the ranks that differ from rank 0.
-void check_replicas_identical(Collectives& comm, const torch::nn::Module& module);
+// Every rank digests its parameters (and buffers, unless `buffers` is false); one allgather of the digests (16 bytes
+// per tensor per rank) compares them with rank 0's. A difference throws DistributedError on every rank, naming the
+// first divergent tensor and the ranks that differ from rank 0. Leave buffers out where ranks may rightly differ:
+// under DDP each rank's BatchNorm running statistics are its own until rank 0's are broadcast before the next
+// forward (with SyncBatchNorm they are the same on every rank).
+void check_replicas_identical(Collectives& comm, const torch::nn::Module& module, bool buffers = true);
 
 }  // namespace gradsync

@@ -1,6 +1,8 @@
 // Gradient and replica checks (see verify.h).
 #include "gradsync/verify.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -42,8 +44,13 @@ uint64_t tensor_digest(const torch::Tensor& tensor) {
   return hash;
 }
 
-void check_replicas_identical(Collectives& comm, const torch::nn::Module& module) {
+void check_replicas_identical(Collectives& comm, const torch::nn::Module& module, bool buffers) {
   auto state = state_dict(module);
+  if (!buffers) {
+    const auto params = module.named_parameters();
+    state.erase(std::remove_if(state.begin(), state.end(), [&](const auto& e) { return !params.contains(e.first); }),
+                state.end());
+  }
   std::string mine;
   for (const auto& [name, tensor] : state) mine += fmt::format("{:016x}\n", tensor_digest(tensor));
   auto all = comm.allgather_strings(mine);
@@ -54,9 +61,10 @@ void check_replicas_identical(Collectives& comm, const torch::nn::Module& module
     }
     if (!differing.empty()) {
       throw DistributedError(fmt::format(
-          "replica check on rank {}: '{}' differs from rank 0's on rank(s) {} (the first divergent of {} "
-          "parameters and buffers); the replicas are no longer synchronised",
-          comm.rank(), state[k].first, fmt::join(differing, ", "), state.size()));
+          "replica check on rank {}: '{}' differs from rank 0's on rank(s) {} (the first divergent of {} {}); the "
+          "replicas are no longer synchronised",
+          comm.rank(), state[k].first, fmt::join(differing, ", "), state.size(),
+          buffers ? "parameters and buffers" : "parameters"));
     }
   }
 }

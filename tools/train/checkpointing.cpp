@@ -34,7 +34,9 @@ void check_fingerprint(const CheckpointInfo& info, const TrainConfig& config) {
   std::vector<std::string> differ;
   for (const auto& [flag, here] : configuration_fingerprint(config)) {
     const auto it = info.meta.find("flag " + flag);
-    const std::string there = it == info.meta.end() ? "(not recorded)" : it->second;
+    // --sync-bn came after the first checkpoints: one that does not record it was trained without.
+    const std::string missing = flag == "--sync-bn" ? "false" : "(not recorded)";
+    const std::string there = it == info.meta.end() ? missing : it->second;
     if (there != here) differ.push_back(fmt::format("{} was '{}', is '{}'", flag, there, here));
   }
   if (!differ.empty()) {
@@ -88,7 +90,8 @@ std::map<std::string, std::string> configuration_fingerprint(const TrainConfig& 
           {"--reduction", c.reduction},
           {"--seed", std::to_string(c.seed)},
           {"--shuffle", c.shuffle ? "true" : "false"},
-          {"--no-pad", c.no_pad ? "true" : "false"}};
+          {"--no-pad", c.no_pad ? "true" : "false"},
+          {"--sync-bn", c.sync_bn ? "true" : "false"}};
 }
 
 TrainCheckpoints::TrainCheckpoints(const TrainConfig& config, Collectives* comm)

@@ -51,6 +51,18 @@ void freeze_parameters(const TrainConfig& c, const Model& model) {
   }
 }
 
+void check_sync_bn(const TrainConfig& c) {
+  if (!c.sync_bn) return;
+  if (!parse_model_spec(c.model).batch_norm) {
+    throw ConfigError(fmt::format("--sync-bn synchronises BatchNorm statistics, and --model {} has no BatchNorm "
+                                  "(mlp-bn:IN-H...-OUT has one per hidden layer)", c.model));
+  }
+  if (c.strategy == Strategy::Local) {
+    throw ConfigError("--sync-bn with --strategy local: one process already normalises over its whole batch; "
+                      "use a data-parallel strategy");
+  }
+}
+
 void check_model_data(const TrainConfig& c) {
   const auto spec = parse_model_spec(c.model);
   if (!spec.gpt) {

@@ -22,6 +22,9 @@ void check_model_data(const TrainConfig& c);
 // The data `spec` names for the model: tokens for gpt, rows otherwise, float values in --dtype.
 Dataset load_data(const TrainConfig& c, const std::string& spec, uint64_t seed);
 
+// --sync-bn needs a model with BatchNorm (mlp-bn) and ranks to synchronise: ConfigError otherwise.
+void check_sync_bn(const TrainConfig& c);
+
 // --freeze: every prefix must name at least one parameter, and one parameter must stay trainable.
 void freeze_parameters(const TrainConfig& c, const Model& model);
 

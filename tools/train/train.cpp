@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -22,6 +24,7 @@
 #include "gradsync/fsdp.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
+#include "gradsync/sync_batch_norm.h"
 #include "launch/backend_flag.h"
 #include "launch/launch.h"
 #include "launch/spawn.h"
@@ -145,6 +148,7 @@ void validate(const TrainConfig& c, int world_size) {
     throw ConfigError(fmt::format("--replay-ranks {} is invalid; expected an integer >= 1 with --strategy local",
                                   c.replay_ranks));
   }
+  check_sync_bn(c);
   if (c.verify_every < 0 || (c.verify_every > 0 && c.strategy == Strategy::Local)) {
     throw ConfigError(fmt::format("--verify-every {} is invalid; expected >= 0, with a data-parallel strategy",
                                   c.verify_every));
@@ -183,6 +187,7 @@ Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   if (const auto split = eval_data_spec(c); !split.empty()) run.test = load_data(c, split, c.seed + 1);
   run.model_bytes = parameter_bytes(*run.model);
   freeze_parameters(c, run.model);
+  if (c.sync_bn) convert_sync_batchnorm(*run.model, world);  // before the engine, which may re-type parameters
   run.engine = make_engine(c, run.model, world);
   run.model->train();
   run.optimizer = make_optimizer(c, *run.engine, run.model);
@@ -398,6 +403,13 @@ int run_rank(const TrainConfig& c, std::shared_ptr<World> world) {
     return 0;
   } catch (const std::exception& e) {
     print_error(e);
+    // On MPI, exiting normally would run MPI_Finalize, which waits for every other rank, and they may be inside a
+    // collective that waits for this one until the timeout. A rank that leaves without finalising is what makes
+    // mpirun stop the whole job at once.
+    if (world->backend() == Backend::Mpi) {
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
   }
   return 1;
 }

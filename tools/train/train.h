@@ -42,6 +42,7 @@ struct TrainConfig {
   bool shuffle = true;
   bool no_pad = false;            // every sample once per epoch; ranks may hold uneven counts
   int replay_ranks = 0;           // local only: train on exactly the global batches of this many ranks
+  bool sync_bn = false;           // BatchNorm statistics over every rank's micro-batch (gradsync::SyncBatchNorm)
   int64_t verify_every = 0;       // every S steps, recompute the gradient in one process and compare
   std::string inject_fault;       // tests only: "grad@STEP" or "diverge@STEP"
   std::string init_state;

@@ -145,6 +145,9 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--seed", c.seed, "seed of the model, the sampler and synthetic data (default 0)")
       ->check(CLI::Range(uint64_t{0}, uint64_t{1} << 63));
   cmd->add_flag("--shuffle,!--no-shuffle", c.shuffle, "shuffle every epoch (default) or not");
+  cmd->add_flag("--sync-bn", c.sync_bn,
+                "BatchNorm statistics over every rank's micro-batch, weighted by count (SyncBatchNorm; "
+                "docs/semantics.md); without it each rank normalises with its own");
   cmd->add_flag("--no-pad", c.no_pad, "every sample exactly once per epoch (ranks may get uneven counts, even 0)");
   cmd->add_option("--replay-ranks", c.replay_ranks,
                   "with --strategy local: train one process on exactly the global batches of N ranks (a reference)");

@@ -5,6 +5,8 @@
 #include <csignal>
 #include <cstdlib>
 
+#include <algorithm>
+
 #include <sstream>
 
 #include <fmt/format.h>
@@ -146,20 +148,42 @@ ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices)
 
 namespace {
 
-// The engine's step: K' micro-batches of this rank (possibly none: it then joins with zeros).
+// --sync-bn: SyncBatchNorm communicates in every forward and backward, so every rank runs the step's largest
+// micro-batch count; a rank short of data adds empty micro-batches (zero rows) after its own.
+std::vector<torch::Tensor> joined_micro_batches(const BatchSchedule& schedule, int64_t s, int rank) {
+  auto micro = schedule.step(rank, s);
+  size_t most = 0;
+  for (int r = 0; r < schedule.world_size(); ++r) most = std::max(most, schedule.step(r, s).size());
+  while (micro.size() < most) micro.push_back(torch::empty({0}, torch::kLong));
+  return micro;
+}
+
+// An empty micro-batch's part in the step: its forward and backward join the ranks' SyncBatchNorm collectives with
+// nothing, and its loss, times zero, adds nothing to any gradient.
+torch::Tensor joining_loss(const StepContext& ctx, const torch::Tensor& empty) { return forward(ctx, empty).sum() * 0.0; }
+
+// The engine's step: K' micro-batches of this rank (possibly none: it then joins with zeros), and after them, with
+// --sync-bn, the empty ones that keep every rank's micro-step count equal (which must not change the 1/K' rule).
 RecordTotals engine_step(const StepContext& ctx, const std::vector<torch::Tensor>& micro, StepRecord& record) {
   const auto group = static_cast<int64_t>(micro.size());
+  const auto own = std::count_if(micro.begin(), micro.end(), [](const auto& m) { return m.numel() > 0; });
   RecordTotals totals;  // global-mean's totals are reduced before its last micro-step, the others' after backward
   if (ctx.reduction == Reduction::GlobalMean) {
     // The summed loss of the micro-batch's items (samples or valid tokens); the engine divides by the global count.
-    auto result = accumulate_global_mean(*ctx.engine, group,
-                                         [&](int64_t k) { return micro_batch_items(ctx, micro[static_cast<size_t>(k)]); });
+    auto result = accumulate_global_mean(*ctx.engine, group, [&](int64_t k) {
+      const auto& idx = micro[static_cast<size_t>(k)];
+      return idx.numel() == 0 ? ItemLoss{joining_loss(ctx, idx), 0} : micro_batch_items(ctx, idx);
+    });
     record.loss = result.mean_loss;
     record.samples = result.total_items;
   } else {
     // accumulate() divides each micro-batch loss by the group size: .grad sums (see engine.h).
-    record.loss = accumulate(*ctx.engine, group,
-                             [&](int64_t k) { return micro_batch_loss(ctx, micro[static_cast<size_t>(k)]); });
+    record.loss = accumulate(*ctx.engine, group, [&](int64_t k) {
+      const auto& idx = micro[static_cast<size_t>(k)];
+      if (idx.numel() == 0) return joining_loss(ctx, idx);
+      auto loss = micro_batch_loss(ctx, idx);
+      return own == group ? loss : loss * (static_cast<double>(group) / static_cast<double>(own));  // 1/K', not 1/K
+    });
     record.samples = count(micro);
     totals = reduce_record(ctx, record);
   }
@@ -198,6 +222,37 @@ RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<t
   return {};
 }
 
+// --verify-every with --sync-bn: micro-step k's BatchNorm statistics span every rank's k-th micro-batch, so the
+// reference forwards them together (plain BatchNorm on their union), then weighs each rank's rows as the reduction
+// does. Rows of numbers only: --sync-bn is refused for the gpt models, which have no BatchNorm.
+void sync_bn_reference_backward(const StepContext& local, const std::vector<std::vector<torch::Tensor>>& per_rank,
+                                int64_t items) {
+  size_t most = 0;
+  for (const auto& m : per_rank) most = std::max(most, m.size());
+  const int ranks = static_cast<int>(per_rank.size());
+  for (size_t k = 0; k < most; ++k) {
+    std::vector<torch::Tensor> parts;
+    std::vector<double> weights;  // of each part's per-sample mean loss
+    for (const auto& m : per_rank) {
+      if (k >= m.size()) continue;
+      parts.push_back(m[k]);
+      weights.push_back(local.reduction == Reduction::GlobalMean
+                            ? static_cast<double>(m[k].numel()) / static_cast<double>(items)
+                            : micro_weight(local.reduction, ranks, m.size()));
+    }
+    const auto output = forward(local, torch::cat(parts));
+    torch::Tensor loss;
+    int64_t row = 0;
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const auto n = parts[p].numel();
+      auto part = loss_of(local.config, output.narrow(0, row, n), local.data.targets.index_select(0, parts[p]));
+      loss = p == 0 ? part * weights[p] : loss + part * weights[p];
+      row += n;
+    }
+    loss.backward();
+  }
+}
+
 }  // namespace
 
 StepFn choose_step(const TrainConfig& c, int rank) {
@@ -208,6 +263,11 @@ StepFn choose_step(const TrainConfig& c, int rank) {
       std::vector<std::vector<torch::Tensor>> all;
       for (int r = 0; r < replayed; ++r) all.push_back(schedule.step(r, s));
       return replay_step(ctx, all, record);
+    };
+  }
+  if (c.sync_bn) {
+    return [rank](const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord& record) {
+      return engine_step(ctx, joined_micro_batches(schedule, s, rank), record);
     };
   }
   return [rank](const StepContext& ctx, const BatchSchedule& schedule, int64_t s, StepRecord& record) {
@@ -234,13 +294,17 @@ void verify_gradient(const StepContext& ctx, const std::vector<torch::Tensor>& m
     total += count(per_rank.back());
     for (const auto& idx : per_rank.back()) items += items_in(ctx.data, idx);
   }
-  for (const auto& rank_micro : per_rank) {
-    for (const auto& idx : rank_micro) {
-      if (ctx.reduction == Reduction::GlobalMean) {  // summed item losses / the step's items (samples or tokens)
-        (micro_batch_items(local, idx).summed_loss / static_cast<double>(items)).backward();
-        continue;
+  if (ctx.config.sync_bn) {
+    sync_bn_reference_backward(local, per_rank, items);
+  } else {
+    for (const auto& rank_micro : per_rank) {
+      for (const auto& idx : rank_micro) {
+        if (ctx.reduction == Reduction::GlobalMean) {  // summed item losses / the step's items (samples or tokens)
+          (micro_batch_items(local, idx).summed_loss / static_cast<double>(items)).backward();
+          continue;
+        }
+        (micro_batch_loss(local, idx) * micro_weight(ctx.reduction, comm.size(), rank_micro.size())).backward();
       }
-      (micro_batch_loss(local, idx) * micro_weight(ctx.reduction, comm.size(), rank_micro.size())).backward();
     }
   }
   std::vector<std::string> names;
@@ -271,7 +335,8 @@ void verify_replicas(const StepContext& ctx, int64_t step) {
     torch::NoGradGuard no_grad;
     ctx.model->parameters().back().add_(1e-3);  // a deliberately divergent replica (tests only)
   }
-  check_replicas_identical(ctx.world->comm(), *ctx.model);
+  // Running statistics are per rank under DDP until the next forward's broadcast; with --sync-bn they are equal.
+  check_replicas_identical(ctx.world->comm(), *ctx.model, /*buffers=*/ctx.config.sync_bn);
 }
 
 }  // namespace gradsync::cli
