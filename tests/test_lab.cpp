@@ -129,15 +129,17 @@ void check_claims(const nlohmann::json& json) {
       {"ddp-averages", "true"}, {"ddp-sums", "false"}, {"loss-sums", "false"}, {"weighted-by-batch", "false"},
       {"no-division", "false"}, {"deepspeed-divides", "true only when"}, {"fsdp-averages", "true"},
       {"more-samples-count-more", "true only when"}, {"summed-loss-sums", "false"}, {"token-mean-over-k", "false"},
-      {"ddp-token-mean", "false"}, {"global-mean-tokens", "true"}};
+      {"ddp-token-mean", "false"}, {"global-mean-tokens", "true"}, {"ddp-bn-averaged", "false"},
+      {"sync-bn-weighted", "true"}};
   const bool tokens = !json.at("tokens").empty();  // the token claims are graded only with the tokens experiment
+  const bool batch_norm = !json.at("batch_norm").is_null();  // and the BatchNorm ones with theirs
   std::set<std::string> seen;
   for (const auto& c : json.at("claims")) {
     const auto id = c.at("id").get<std::string>();
     SCOPED_TRACE("claim " + id);
     seen.insert(id);
     ASSERT_TRUE(expected.count(id));
-    if (!tokens && id.find("token") != std::string::npos) {
+    if ((!tokens && id.find("token") != std::string::npos) || (!batch_norm && id.find("-bn-") != std::string::npos)) {
       EXPECT_EQ(c.at("verdict").get<std::string>().rfind("inconclusive (no measurement", 0), 0u);
       continue;
     }
@@ -190,6 +192,24 @@ void check_tokens(const nlohmann::json& json, const std::string& dir) {
   EXPECT_TRUE(fs::exists(dir + "/tokens.csv"));
 }
 
+// The BatchNorm experiment (mlp-bn, float64): under DDP rank 0 saved its own running statistics, not the ranks'
+// average; SyncBatchNorm's are the count-weighted ones of the union, not the plain mean of the ranks'.
+void check_batch_norm(const nlohmann::json& json) {
+  const auto& rows = json.at("batch_norm").at("rows");
+  ASSERT_EQ(rows.size(), 2u);  // world sizes 2 and 4
+  for (const auto& r : rows) {
+    SCOPED_TRACE(r.dump());
+    const auto n = r.at("world_size").get<size_t>();
+    EXPECT_EQ(r.at("equal_samples").size(), n);
+    EXPECT_EQ(r.at("uneven_samples").size(), n);
+    EXPECT_NE(r.at("uneven_samples").front(), r.at("uneven_samples").back());
+    EXPECT_LT(r.at("ddp_to_rank0").get<double>(), 1e-12);
+    EXPECT_GT(r.at("ddp_to_averaged").get<double>(), 1e-4);
+    EXPECT_LT(r.at("sync_to_weighted").get<double>(), 1e-12);
+    EXPECT_GT(r.at("sync_to_plain_mean").get<double>(), 1e-4);
+  }
+}
+
 void check_files(const nlohmann::json& json, const std::string& dir) {
   auto report = [&](const std::string& name) { return dir + "/" + name; };
   ASSERT_TRUE(json.at("plots").at("rendered").get<bool>()) << json.at("plots").dump();
@@ -213,6 +233,8 @@ void check_files(const nlohmann::json& json, const std::string& dir) {
   EXPECT_NE(text.find("DDP and FSDP sum the per-process gradients. | answer 2 | **false**"), std::string::npos);
   EXPECT_NE(text.find("| **거짓** |"), std::string::npos);
   EXPECT_NE(text.find("![every claim"), std::string::npos);
+  EXPECT_NE(text.find("## 7. BatchNorm statistics"), std::string::npos);
+  EXPECT_NE(text.find("SyncBatchNorm weights each process by its batch size. | gradsync | **true**"), std::string::npos);
   EXPECT_EQ(nlohmann::json::parse(std::ifstream(report("results.json"))).at("ddp"), json.at("ddp"));
 }
 
@@ -255,6 +277,10 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
     check_tokens(json, out);
   }
   {
+    SCOPED_TRACE("BatchNorm");
+    check_batch_norm(json);
+  }
+  {
     SCOPED_TRACE("files");
     check_files(json, out);
   }
@@ -264,14 +290,15 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
 
 // The same experiments on the residual model (not a Sequential: FSDP runs its blocks in their Sequential's slots)
 // and on the CNN:
-// every measurement still tells the sum from the mean (--no-tokens: the tokens experiment trains its own gpt).
+// every measurement still tells the sum from the mean (--no-tokens, --no-batch-norm: those experiments train their
+// own models).
 TEST(LabCli, QuickRunOnResAndCnnReachesTheSameAnswer) {
   for (const char* model : {"res:784-16-2-10", "cnn:2-4-10"}) {
     const auto dir = t::make_temp_dir("gradsync-test-lab-model-");
     t::CommandOptions options;
     options.timeout = std::chrono::seconds(240);
-    auto run = t::run({GRADSYNC_BIN, "lab", "--quick", "--json", "--no-tokens", "--model", model, "--out",
-                       dir + "/report"}, options);
+    auto run = t::run({GRADSYNC_BIN, "lab", "--quick", "--json", "--no-tokens", "--no-batch-norm", "--model", model,
+                       "--out", dir + "/report"}, options);
     ASSERT_TRUE(run.ok()) << model << ": " << run.describe();
     EXPECT_NE(run.err.find(std::string("model ") + model), std::string::npos) << run.err;
     const auto json = nlohmann::json::parse(run.out, nullptr, /*allow_exceptions=*/false);

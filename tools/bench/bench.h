@@ -32,6 +32,7 @@ struct BenchConfig {
   int repeats = 5;             // runs per side, interleaved: gradsync, PyTorch, gradsync, ...
   bool compare_pytorch = false;
   bool floor = false;          // also run world_size `--strategy local` processes at once: the compute floor
+  bool sync_bn = false;        // gradsync trains with --sync-bn, and the same job without it runs interleaved
   bool json = false;
   std::string plot;            // PNG path, "" = none
   double timeout_seconds = 600;
@@ -50,7 +51,8 @@ struct StepStats {
 int run_step_bench(const BenchConfig& config);
 
 // The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio", "run_ratios"}, and with
-// --floor "floor": {...} and "over_floor_seconds": {"gradsync", "pytorch"} (median step minus the floor's median).
+// --floor "floor": {...} and "over_floor_seconds": {"gradsync", "pytorch"} (median step minus the floor's median), and
+// with --sync-bn "without_sync_bn": {...} and "sync_bn_ratio" (gradsync's median over that side's).
 nlohmann::json side_json(const StepStats& stats, const BenchConfig& config);
 
 // Writes `png` from the step times of both sides (pytorch may be empty). Returns "" or why it could not.

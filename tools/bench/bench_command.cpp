@@ -68,6 +68,9 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--repeats", c->repeats, "runs per side, interleaved (default 5)")->check(CLI::Range(1, 1000));
   cmd->add_flag("--compare-pytorch", c->compare_pytorch,
                 "also run python3-torch's DDP (Gloo) on the same model, batch, threads and world size");
+  cmd->add_flag("--sync-bn", c->sync_bn,
+                "mlp-bn: gradsync trains with SyncBatchNorm, and the same job with plain BatchNorm runs interleaved "
+                "(row plain-bn; PyTorch's side keeps plain BatchNorm, its SyncBatchNorm runs on CUDA only)");
   cmd->add_flag("--floor", c->floor,
                 "also run as many --strategy local processes as ranks, all at once, each on one rank's batch: the "
                 "step time if communication cost nothing, and each side's time over it");

@@ -20,9 +20,10 @@
 namespace gradsync::cli {
 namespace {
 
-// The three sides of one bench, each pooled over its runs (pytorch and floor stay empty unless asked for).
+// The sides of one bench, each pooled over its runs (pytorch, floor and plain_bn stay empty unless asked for).
 struct Measured {
   StepStats gradsync, pytorch, floor;
+  StepStats plain_bn;  // --sync-bn: gradsync's job without it
 };
 
 double median(std::vector<double> v) {
@@ -38,6 +39,11 @@ void validate(const BenchConfig& c) {
   if (c.floor && c.strategy == "local") {
     throw ConfigError("--floor runs a local process per rank to show what a distributed strategy adds to the "
                       "compute; with --strategy local there is no communication to show");
+  }
+  if (c.sync_bn && (!parse_model_spec(c.model).batch_norm || c.strategy == "local")) {
+    throw ConfigError(fmt::format("--sync-bn times SyncBatchNorm against plain BatchNorm: it needs an mlp-bn model "
+                                  "and a data-parallel strategy, not --model {} with --strategy {}", c.model,
+                                  c.strategy));
   }
   if (c.wrap.empty()) return;
   if (c.strategy == "local" || c.strategy == "ddp") {
@@ -80,6 +86,7 @@ std::vector<std::string> train_argv(const BenchConfig& c, const std::string& str
   if (strategy == "local") return argv;
   argv.insert(argv.end(), {"--world-size", std::to_string(ranks), "--backend", c.backend});
   if (!c.wrap.empty()) argv.insert(argv.end(), {"--wrap", c.wrap});
+  if (c.sync_bn) argv.push_back("--sync-bn");
   return argv;
 }
 
@@ -112,10 +119,13 @@ void add_run(StepStats& stats, const std::vector<double>& steps) {
   stats.step_seconds.insert(stats.step_seconds.end(), steps.begin(), steps.end());
 }
 
-// One `gradsync train` job; appends its measured steps to `stats`.
-void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
-  const std::string log = dir.file(fmt::format("gradsync-{}.jsonl", run));
-  run_job(c, train_argv(c, c.strategy, ranks_of(c), log), dir.file(fmt::format("gradsync-{}.out", run)), "gradsync");
+// One `gradsync train` job (`name`: "gradsync", or "plain-bn" for the job without --sync-bn); appends its measured
+// steps to `stats`.
+void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats, const char* name = "gradsync") {
+  const std::string log = dir.file(fmt::format("{}-{}.jsonl", name, run));
+  auto argv = train_argv(c, c.strategy, ranks_of(c), log);
+  if (std::string(name) == "plain-bn") argv.erase(std::remove(argv.begin(), argv.end(), "--sync-bn"), argv.end());
+  run_job(c, argv, dir.file(fmt::format("{}-{}.out", name, run)), name);
   add_run(stats, read_train_log(c, log, stats));
 }
 
@@ -200,6 +210,11 @@ void print_table(const BenchConfig& c, const Measured& m) {
   row("gradsync", m.gradsync);
   row("pytorch", m.pytorch);
   row("floor", m.floor);
+  row("plain-bn", m.plain_bn);
+  if (!m.plain_bn.step_seconds.empty()) {
+    fmt::print("  ratio --sync-bn/plain BatchNorm (median step time): {:.3f}\n",
+               median(m.gradsync.step_seconds) / median(m.plain_bn.step_seconds));
+  }
   if (!m.floor.step_seconds.empty()) {
     fmt::print("  over the floor (median): gradsync {:+.2f} ms", 1e3 * over_floor(m.gradsync, m.floor));
     if (!m.pytorch.step_seconds.empty()) fmt::print(", pytorch {:+.2f} ms", 1e3 * over_floor(m.pytorch, m.floor));
@@ -217,13 +232,17 @@ nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
                                  {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"wrap", c.wrap},
                                  {"backend", c.backend},
                                  {"threads", c.threads}, {"steps", c.steps}, {"warmup", c.warmup},
-                                 {"repeats", c.repeats}}},
+                                 {"repeats", c.repeats}, {"sync_bn", c.sync_bn}}},
                      {"gradsync", side_json(m.gradsync, c)}};
   if (c.compare_pytorch) {
     out["pytorch"] = side_json(m.pytorch, c);
     out["pytorch"]["backend"] = "gloo";
     out["ratio"] = median(m.gradsync.step_seconds) / median(m.pytorch.step_seconds);
     out["run_ratios"] = run_ratios(m.gradsync, m.pytorch);
+  }
+  if (c.sync_bn) {
+    out["without_sync_bn"] = side_json(m.plain_bn, c);
+    out["sync_bn_ratio"] = median(m.gradsync.step_seconds) / median(m.plain_bn.step_seconds);
   }
   if (c.floor) {
     out["floor"] = side_json(m.floor, c);
@@ -253,9 +272,10 @@ int run_step_bench(const BenchConfig& c) {
   TempDir dir("gradsync-bench-");
   Measured m;
   for (int run = 0; run < c.repeats; ++run) {
-    fmt::print(stderr, "[bench] run {}/{}: gradsync{}{}\n", run + 1, c.repeats, c.compare_pytorch ? ", PyTorch" : "",
-               c.floor ? ", floor" : "");
+    fmt::print(stderr, "[bench] run {}/{}: gradsync{}{}{}\n", run + 1, c.repeats, c.sync_bn ? ", without --sync-bn" : "",
+               c.compare_pytorch ? ", PyTorch" : "", c.floor ? ", floor" : "");
     run_gradsync(c, dir, run, m.gradsync);
+    if (c.sync_bn) run_gradsync(c, dir, run, m.plain_bn, "plain-bn");
     if (c.compare_pytorch) run_pytorch(c, dir, run, m.pytorch);
     if (c.floor) run_floor(c, dir, run, m.floor);
   }

@@ -134,6 +134,9 @@ bool conclusive(const LabResults& r) {
   for (const auto& t : r.tokens.rows) {
     ok = ok && t.global_mean_rel_diff <= r.config.tolerance && t.mean_of_means_to_prediction <= r.config.tolerance;
   }
+  for (const auto& b : r.batch_norm.rows) {
+    ok = ok && b.ddp_to_rank0 <= r.config.tolerance && b.sync_to_weighted <= r.config.tolerance;
+  }
   return ok;
 }
 
@@ -163,6 +166,7 @@ struct LabCli {
   std::string model = "mlp:784-128-10";
   uint64_t seed = 0;
   bool no_tokens = false;
+  bool no_batch_norm = false;
 };
 
 int run_lab(const LabCli& cli) {
@@ -178,6 +182,7 @@ int run_lab(const LabCli& cli) {
   c.model = cli.model;
   c.seed = cli.seed;
   c.tokens = !cli.no_tokens;
+  c.batch_norm = !cli.no_batch_norm;
   validate(c);
   fmt::print(stderr, "[lab] sum or mean? {} run: model {}, data {}, world sizes {}\n", c.quick ? "quick" : "full",
              c.model, c.data, fmt::join(c.world_sizes, ","));
@@ -192,6 +197,7 @@ int run_lab(const LabCli& cli) {
     if (n >= 2) results.uneven.push_back(uneven);
   }
   if (c.tokens) results.tokens = run_tokens(c, scratch.path());
+  if (c.batch_norm) results.batch_norm = run_batch_norm(c, scratch.path(), scratch.file("batch.pt"));
   results.claims = grade_claims(results);
   results.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   fmt::print(stderr, "[lab] writing {}/\n", c.out_dir);
@@ -237,6 +243,8 @@ void add_lab_command(CLI::App& root, int& exit_code) {
                   "outputs, e.g. cnn:8-16-10 or res:784-64-2-10 (default mlp:784-128-10)");
   cmd->add_flag("--no-tokens", cli->no_tokens, "skip the tokens experiment (a gpt on Debian's fortunes: the mean of "
                 "per-micro-batch token means against the token mean)");
+  cmd->add_flag("--no-batch-norm", cli->no_batch_norm, "skip the BatchNorm experiment (mlp-bn under DDP: per-rank "
+                "statistics, and SyncBatchNorm's count-weighted ones)");
   cmd->callback([cli, &exit_code] { exit_code = run_lab(*cli); });
   add_lab_rank_command(root, exit_code);
 }

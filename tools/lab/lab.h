@@ -7,11 +7,13 @@
 //   lab_analysis.cpp     accumulation divided by K afterwards, FSDP with accumulation, DDP with summed losses
 //                        (their single-process references; lab_analysis.h, shared with lab_experiments.cpp)
 //   lab_tokens.cpp       a language model on real text: per-micro-batch token means against the token mean
+//   lab_batch_norm.cpp   BatchNorm's statistics under DDP, with and without SyncBatchNorm
 //   lab_rank.cpp         the hidden `gradsync lab-rank` subcommand: one DDP (and FSDP) rank, started through
 //                        launch()
 //   lab_report.cpp       terminal table, JSON, CSV files, gnuplot plots
 //   lab_claims.cpp       the claims table: statements about sum or mean, each graded by the experiment deciding it
 //   lab_claims_report.cpp  the claims in the table, JSON, CSV, plot and report.md
+//   lab_tokens_report.cpp, lab_batch_norm_report.cpp  those experiments in the table, JSON, report and answer
 //   lab_answer.cpp       the answer, in English and Korean, written from the verdicts
 //   lab_markdown.cpp     report.md
 //
@@ -59,6 +61,7 @@ struct LabConfig {
   double tolerance = 1e-5;
   double rank_timeout_seconds = 120;
   bool tokens = true;  // the tokens experiment (needs Debian's fortunes)
+  bool batch_norm = true;  // the BatchNorm experiment (mlp-bn under DDP, with and without SyncBatchNorm)
 };
 
 // The defaults of the full run, or of --quick (fewer steps, smaller DDP batch).
@@ -225,6 +228,34 @@ struct TokensResult {
 TokensResult run_tokens(const LabConfig& config, const std::string& scratch);
 nlohmann::ordered_json tokens_json(const TokensResult& tokens);
 
+// The BatchNorm experiment (lab_batch_norm.cpp): mlp-bn on the lab's images, small per-rank batches, one step of
+// `gradsync train` in float64; the first BatchNorm's running statistics (mean and variance, one vector) that rank 0
+// saved, against what each hypothesis predicts from the ranks' own batch statistics (relative: ||s - p|| / ||p||).
+struct BatchNormRow {
+  int world_size = 0;
+  std::vector<int64_t> equal_samples;   // per rank, plain BatchNorm under DDP
+  std::vector<int64_t> uneven_samples;  // per rank, --sync-bn --no-pad
+  double ddp_to_averaged = 0;     // DDP: against the statistics averaged over the ranks
+  double ddp_to_rank0 = 0;        // DDP: against rank 0's own batch statistics
+  double sync_to_weighted = 0;    // SyncBatchNorm: against the count-weighted statistics of the union
+  double sync_to_plain_mean = 0;  // SyncBatchNorm: against the plain mean of the ranks' statistics
+};
+
+struct BatchNormResult {
+  std::string model;
+  std::vector<BatchNormRow> rows;
+  double seconds = 0;
+};
+
+// Runs the BatchNorm experiment in `scratch`/batch_norm (`gradsync train` runs of this executable) on the first
+// rows of the lab's batch file.
+BatchNormResult run_batch_norm(const LabConfig& config, const std::string& scratch, const std::string& batch_file);
+nlohmann::ordered_json batch_norm_json(const BatchNormResult& result);
+// One `gradsync train` run of this executable (flags after "train"), its output in `log`; Error naming `what` and
+// quoting the log when it fails.
+void run_lab_train(const LabConfig& config, const std::vector<std::string>& flags, const std::string& log,
+                   const std::string& what);
+
 // One statement about sum or mean (from the three answers to the question, or a belief users repeat), graded by
 // the experiment that decides it: its deviation from what the statement predicts and from the alternative.
 struct ClaimResult {
@@ -254,6 +285,7 @@ struct LabResults {
   std::vector<DdpResult> ddp;
   std::vector<UnevenResult> uneven;
   TokensResult tokens;              // empty rows with --no-tokens
+  BatchNormResult batch_norm;       // empty rows with --no-batch-norm
   std::vector<ClaimResult> claims;  // graded from everything above (lab_claims.cpp)
   PlotStatus plots;
   std::vector<std::string> files;  // everything written to the out dir
@@ -339,6 +371,11 @@ std::pair<std::string, std::string> tokens_data(const LabResults& results);
 std::string tokens_gnuplot(const LabResults& results);
 std::string tokens_section(const LabResults& results);
 std::string tokens_answer(const LabResults& results, bool ko);
+// The BatchNorm experiment's table rows, report section and answer paragraph (lab_batch_norm_report.cpp); empty
+// without the experiment.
+std::vector<ResultRow> batch_norm_rows(const LabResults& results);
+std::string batch_norm_section(const LabResults& results);
+std::string batch_norm_answer(const LabResults& results, bool ko);
 // Experiment-table rows of the measurements only the claims use (divided accumulation, FSDP accumulation, DDP
 // with a summed loss).
 std::vector<ResultRow> claim_experiment_rows(const LabResults& results);

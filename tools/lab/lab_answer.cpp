@@ -175,7 +175,8 @@ std::string sharded_answer(const LabResults& r, bool ko) {
 std::vector<std::string> answer_paragraphs(const LabResults& r, const std::string& language) {
   const bool ko = language == "ko";
   std::vector<std::string> parts{loss_answer(r, ko), accumulation_answer(r, ko), ddp_answer(r, ko),
-                                 uneven_answer(r, ko), sharded_answer(r, ko), tokens_answer(r, ko)};
+                                 uneven_answer(r, ko), sharded_answer(r, ko), tokens_answer(r, ko),
+                                 batch_norm_answer(r, ko)};
   parts.erase(std::remove(parts.begin(), parts.end(), std::string()), parts.end());
   return parts;
 }

@@ -143,6 +143,42 @@ std::vector<Case> token_global_cases(const LabResults& r) {
   return out;
 }
 
+// The BatchNorm experiment: DDP's saved running statistics against the ranks' average (claim) and rank 0's own.
+std::vector<Case> bn_averaged_cases(const LabResults& r) {
+  std::vector<Case> out;
+  for (const auto& b : r.batch_norm.rows) {
+    out.push_back({fmt::format("N={} (relative)", b.world_size), b.ddp_to_averaged, b.ddp_to_rank0});
+  }
+  return out;
+}
+
+// SyncBatchNorm on uneven ranks: against the count-weighted statistics (claim) and the plain mean over ranks.
+std::vector<Case> sync_bn_weighted_cases(const LabResults& r) {
+  std::vector<Case> out;
+  for (const auto& b : r.batch_norm.rows) {
+    out.push_back({fmt::format("N={} {} (relative)", b.world_size, join_samples(b.uneven_samples)), b.sync_to_weighted,
+                   b.sync_to_plain_mean});
+  }
+  return out;
+}
+
+// The claims about BatchNorm's statistics, decided by the BatchNorm experiment.
+std::vector<ClaimSpec> batch_norm_claims() {
+  return {
+      {"ddp-bn-averaged", "common belief", "Under DDP, BatchNorm statistics are averaged over the processes.",
+       "DDP에서 BatchNorm 통계는 프로세스들에 대해 평균된다.",
+       "mlp-bn under DDP, equal ranks of 8, one step: the running statistics rank 0 saved, relative distance to the "
+       "ranks' averaged statistics (claim) and to rank 0's own",
+       nullptr, nullptr, bn_averaged_cases},
+      {"sync-bn-weighted", "gradsync",
+       "SyncBatchNorm weights each process by its batch size.",
+       "SyncBatchNorm은 각 프로세스를 배치 크기로 가중한다.",
+       "mlp-bn with --sync-bn on uneven ranks, one step: the running statistics, relative distance to the "
+       "count-weighted statistics of the union (claim) and to the plain mean of the ranks' statistics",
+       nullptr, nullptr, sync_bn_weighted_cases},
+  };
+}
+
 // The claims about images and per-sample means, decided by the other experiments.
 std::vector<ClaimSpec> sum_or_mean_claims() {
   return {
@@ -225,6 +261,7 @@ const std::vector<ClaimSpec>& claims() {
   static const std::vector<ClaimSpec> table = [] {
     std::vector<ClaimSpec> all = sum_or_mean_claims();
     for (auto& c : token_claims()) all.push_back(std::move(c));
+    for (auto& c : batch_norm_claims()) all.push_back(std::move(c));
     return all;
   }();
   return table;

@@ -150,7 +150,7 @@ std::string sharded_section(const LabResults& r) {
 // The claims graded, in both languages, with the plot of every claim's two deviations.
 std::string claims_section(const LabResults& r) {
   return fmt::format(
-      "## 7. Claims, graded\n\nStatements made about sum or mean (the three answers to the question, and beliefs "
+      "## 8. Claims, graded\n\nStatements made about sum or mean (the three answers to the question, and beliefs "
       "users repeat), each decided by the experiment named in `results.json` (`claims[].experiment`): the "
       "measurement's distance from what the claim predicts and from the alternative, against the tolerance.\n\n{}\n"
       "{}\n### 주장 판정 (한국어)\n\n질문에 대한 세 답변과 자주 반복되는 믿음을, 각각을 결정하는 실험의 측정값이 "
@@ -202,7 +202,7 @@ std::string report_markdown(const LabResults& r) {
   }
   s += "\n";
   s += loss_section(r) + accumulation_section(r) + ddp_section(r) + uneven_section(r);
-  s += sharded_section(r) + tokens_section(r) + claims_section(r);
+  s += sharded_section(r) + tokens_section(r) + batch_norm_section(r) + claims_section(r);
   s += fmt::format("## Answer\n\n{}\n\n", fmt::join(answer_paragraphs(r, "en"), "\n\n"));
   s += fmt::format("## 답변 (한국어)\n\n{}\n\n", fmt::join(answer_paragraphs(r, "ko"), "\n\n"));
   s += definitions();

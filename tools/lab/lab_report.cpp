@@ -74,6 +74,8 @@ std::vector<ResultRow> result_rows(const LabResults& r) {
   rows.insert(rows.end(), more.begin(), more.end());
   const auto tokens = token_rows(r);
   rows.insert(rows.end(), tokens.begin(), tokens.end());
+  const auto batch_norm = batch_norm_rows(r);
+  rows.insert(rows.end(), batch_norm.begin(), batch_norm.end());
   return rows;
 }
 
@@ -384,6 +386,7 @@ nlohmann::ordered_json to_json(const LabResults& r) {
       {"sharded", json_array(r.ddp, sharded_json)},
       {"tokens", r.tokens.rows.empty() ? json::array() : json(tokens_json(r.tokens)["rows"])},
       {"tokens_experiment", r.tokens.rows.empty() ? json(nullptr) : json(tokens_json(r.tokens))},
+      {"batch_norm", r.batch_norm.rows.empty() ? json(nullptr) : json(batch_norm_json(r.batch_norm))},
       {"claims", claims_json(r)},
       {"answer", {{"en", answer_text(r, "en")}, {"ko", answer_text(r, "ko")}}},
       {"out_dir", c.out_dir},

@@ -37,18 +37,12 @@ struct TokenRun {
 
 // One `gradsync train` run of the tokens experiment; throws with its output when it fails.
 void train(const LabConfig& c, const std::string& dir, const TokenRun& run, const std::vector<std::string>& common) {
-  std::vector<std::string> argv{self_executable(), "train", "--model", kTokenModel, "--data", "fortunes",
-                                "--global-batch", std::to_string(kTokenBatch), "--seed", std::to_string(c.seed),
-                                "--init-state", dir + "/init.pt", "--quiet", "--timeout",
-                                fmt::format("{}", c.rank_timeout_seconds)};
+  std::vector<std::string> argv{"--model", kTokenModel, "--data", "fortunes", "--global-batch",
+                                std::to_string(kTokenBatch), "--seed", std::to_string(c.seed), "--init-state",
+                                dir + "/init.pt"};
   argv.insert(argv.end(), common.begin(), common.end());
   argv.insert(argv.end(), run.flags.begin(), run.flags.end());
-  const std::string log = dir + "/" + run.name + ".out";
-  const auto status = run_logged(argv, "", log, std::chrono::seconds(static_cast<int64_t>(c.rank_timeout_seconds) * 4),
-                                 {{"OMP_NUM_THREADS", "1"}});
-  if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
-    throw Error(fmt::format("lab: the tokens run '{}' failed:\n{}", run.name, read_text(log)));
-  }
+  run_lab_train(c, argv, dir + "/" + run.name + ".out", "the tokens run '" + run.name + "'");
 }
 
 std::vector<TokenRun> runs_for(int n, int64_t k, const std::string& suffix) {
@@ -130,6 +124,18 @@ TokenCurves curves(const LabConfig& c, const std::string& dir) {
 }
 
 }  // namespace
+
+void run_lab_train(const LabConfig& c, const std::vector<std::string>& flags, const std::string& log,
+                   const std::string& what) {
+  std::vector<std::string> argv{self_executable(), "train", "--quiet", "--timeout",
+                                fmt::format("{}", c.rank_timeout_seconds)};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  const auto status = run_logged(argv, "", log, std::chrono::seconds(static_cast<int64_t>(c.rank_timeout_seconds) * 4),
+                                 {{"OMP_NUM_THREADS", "1"}});
+  if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) {
+    throw Error(fmt::format("lab: {} failed:\n{}", what, read_text(log)));
+  }
+}
 
 TokensResult run_tokens(const LabConfig& c, const std::string& scratch) {
   const auto start = std::chrono::steady_clock::now();
