@@ -288,12 +288,12 @@ TEST(LabCli, QuickRunMeasuresPerSampleMeanSummedAccumulationAndDdpMean) {
   fs::remove_all(dir, ignored);
 }
 
-// The same experiments on the residual model (not a Sequential: FSDP runs its blocks in their Sequential's slots)
-// and on the CNN:
+// The same experiments on the residual model (not a Sequential: FSDP runs its blocks in their Sequential's slots;
+// the CNN's parity with PyTorch under every strategy is tests/test_sharded_parity.cpp's):
 // every measurement still tells the sum from the mean (--no-tokens, --no-batch-norm: those experiments train their
 // own models).
-TEST(LabCli, QuickRunOnResAndCnnReachesTheSameAnswer) {
-  for (const char* model : {"res:784-16-2-10", "cnn:2-4-10"}) {
+TEST(LabCli, QuickRunOnResReachesTheSameAnswer) {
+  for (const char* model : {"res:784-16-2-10"}) {
     const auto dir = t::make_temp_dir("gradsync-test-lab-model-");
     t::CommandOptions options;
     options.timeout = std::chrono::seconds(240);

@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include "gradsync/ddp.h"
+#include "gradsync/engine.h"
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
 #include "gradsync/sync_batch_norm.h"
@@ -154,6 +156,23 @@ GRADSYNC_WORKER(sync_batch_norm_error) {
   return 0;
 }
 
+// A library user's step where the last rank brings one micro-batch fewer: accumulate() would give it a shadow
+// micro-step, which runs no SyncBatchNorm; every rank must fail before any forward, naming the counts.
+GRADSYNC_WORKER(sync_batch_norm_uneven_steps) {
+  auto world = gradsync::init({std::chrono::seconds(30), std::nullopt, std::nullopt});
+  nn::Sequential model(nn::Linear(3, 4), nn::BatchNorm1d(4), nn::Functional([](const torch::Tensor& x) { return x.sum(); }));
+  gradsync::convert_sync_batchnorm(*model, world);
+  gradsync::DistributedDataParallel engine(model, world);
+  const int64_t k = world->rank() == world->size() - 1 ? 1 : 2;
+  try {
+    gradsync::accumulate(engine, k, [&](int64_t) { return engine.forward(torch::randn({4, 3})); });
+  } catch (const gradsync::ConfigError& e) {
+    fmt::print("rank {} failed: {}\n", world->rank(), e.what());
+    return 3;
+  }
+  return 0;
+}
+
 namespace {
 
 void expect_all_ok(const std::vector<t::ProcessResult>& results) {
@@ -194,6 +213,15 @@ TEST(SyncBatchNorm, AGlobalCountOfOneFailsEveryRankNamingTheCounts) {
     EXPECT_EQ(r.exit_code, 3) << r.describe();
     EXPECT_NE(r.out.find("more than 1 value per channel over the group's 2 ranks, got 1 (per rank: 1, 0)"),
               std::string::npos) << r.describe();
+  }
+}
+
+TEST(SyncBatchNorm, AnEngineStepWithUnequalMicroBatchCountsFailsEveryRank) {
+  for (const auto& r : run(3, {}, "sync_batch_norm_uneven_steps")) {
+    EXPECT_EQ(r.exit_code, 3) << r.describe();
+    EXPECT_NE(r.out.find("SyncBatchNorm '1' communicates in every forward and backward"), std::string::npos)
+        << r.describe();
+    EXPECT_NE(r.out.find("(rank 0..2: 2, 2, 1)"), std::string::npos) << r.describe();
   }
 }
 

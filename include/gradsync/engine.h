@@ -218,6 +218,11 @@ inline NoSyncGuard::~NoSyncGuard() { engine_.set_require_sync(previous_); }
 
 namespace detail {
 void check_micro_batches(int64_t micro_batches, int64_t minimum);
+// A model with a SyncBatchNorm (sync_batch_norm.h) communicates in every forward and backward, which a shadow
+// micro-step does not run: every rank must bring the same micro-batch count (a rank short of data passes empty
+// batches). One allgather of the counts per step, only for such models; a difference fails every rank, naming the
+// counts.
+void check_sync_batch_norm_steps(Engine& engine, int64_t micro_batches);
 }  // namespace detail
 
 // One process without an engine: micro_loss(k) returns micro-batch k's loss (a per-sample mean, with its graph).
@@ -258,6 +263,7 @@ inline void shadow_micro_step(Engine& engine) {
 template <typename LossFn>
 double accumulate(Engine& engine, int64_t micro_batches, LossFn&& micro_loss) {
   detail::check_micro_batches(micro_batches, 0);
+  detail::check_sync_batch_norm_steps(engine, micro_batches);
   const int64_t steps = engine.begin_step(micro_batches);  // this rank's micro-batches, then shadow ones
   double total = 0;
   for (int64_t k = 0; k < steps; ++k) {
@@ -309,6 +315,7 @@ template <typename ItemLossFn>
 GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, ItemLossFn&& micro_loss) {
   detail::check_micro_batches(micro_batches, 0);
   detail::require_global_mean(engine);
+  detail::check_sync_batch_norm_steps(engine, micro_batches);
   const int64_t steps = engine.begin_step(micro_batches);  // this rank's micro-batches, then shadow ones
   int64_t items = 0;
   double loss_sum = 0;

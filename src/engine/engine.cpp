@@ -1,9 +1,13 @@
 // The parts of the engine interface that are the same for every engine (see engine.h).
 #include "gradsync/engine.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gradsync/error.h"
+#include "gradsync/sync_batch_norm.h"
 #include "shard/full_optim_state.h"
 
 namespace gradsync {
@@ -66,6 +70,27 @@ void check_micro_batches(int64_t micro_batches, int64_t minimum) {
     throw ConfigError(fmt::format("accumulate: {} micro-batches requested; expected at least {}", micro_batches,
                                   minimum));
   }
+}
+
+void check_sync_batch_norm_steps(Engine& engine, int64_t micro_batches) {
+  auto* comm = engine.comm();
+  if (!comm || comm->size() == 1) return;
+  std::string name;
+  for (const auto& m : engine.module().named_modules()) {
+    if (dynamic_cast<const SyncBatchNormImpl*>(m.value().get())) {
+      name = m.key();
+      break;
+    }
+  }
+  if (name.empty()) return;
+  auto all = torch::empty({comm->size()}, torch::kLong);
+  comm->allgather_flat(torch::tensor({micro_batches}, torch::kLong), all);
+  const auto counts = std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + comm->size());
+  if (std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts.front(); })) return;
+  throw ConfigError(fmt::format(
+      "{}: the model's SyncBatchNorm '{}' communicates in every forward and backward, so every rank must run the same "
+      "micro-steps, but the ranks' micro-batch counts differ (rank 0..{}: {}); give a rank short of data empty "
+      "micro-batches (zero rows), their loss times 0", engine.name(), name, comm->size() - 1, fmt::join(counts, ", ")));
 }
 
 void require_global_mean(const Engine& engine) {

@@ -56,8 +56,12 @@ struct SyncBatchNormFunction : public torch::autograd::Function<SyncBatchNormFun
     if (ctx->needs_input_grad(0)) {
       auto capsule = ctx->saved_data["group"].toCapsule();
       auto& group = *static_cast<GroupCapsule*>(capsule.get())->group;
-      auto sums = torch::cat({sum_dy, sum_dy_xmu});  // every rank's, summed, then divided by the global count
+      // Every rank's, summed, then divided by the global count; half and bfloat16 sums travel as float32 (Gloo has
+      // no bfloat16 sum, and 16-bit sums of many ranks would lose what the divisions need).
+      auto sums = torch::cat({sum_dy, sum_dy_xmu});
+      if (sums.element_size() < 4) sums = sums.to(torch::kFloat);
       group.allreduce(sums, Reduction::Sum);
+      sums = sums.to(input.scalar_type());
       const auto n = static_cast<double>(ctx->saved_data["count"].toInt());
       const int64_t c = mean.numel();
       const auto mean_dy = sums.narrow(0, 0, c) / n;
