@@ -13,6 +13,7 @@
 #include "gradsync/ddp.h"
 #include "gradsync/engine.h"
 #include "gradsync/error.h"
+#include "gradsync/join.h"
 #include "gradsync/runtime.h"
 #include "gradsync/sync_batch_norm.h"
 #include "support/subprocess.h"
@@ -173,6 +174,21 @@ GRADSYNC_WORKER(sync_batch_norm_uneven_steps) {
   return 0;
 }
 
+// Join's joined ranks run no forward: refused for a model with a SyncBatchNorm, on every rank.
+GRADSYNC_WORKER(sync_batch_norm_join) {
+  auto world = gradsync::init({std::chrono::seconds(30), std::nullopt, std::nullopt});
+  nn::Sequential model(nn::Linear(3, 4), nn::ReLU(), nn::BatchNorm1d(4));
+  gradsync::convert_sync_batchnorm(*model, world);
+  gradsync::DistributedDataParallel engine(model, world);
+  try {
+    gradsync::Join join(engine);
+  } catch (const gradsync::ConfigError& e) {
+    fmt::print("rank {} failed: {}\n", world->rank(), e.what());
+    return 3;
+  }
+  return 0;
+}
+
 namespace {
 
 void expect_all_ok(const std::vector<t::ProcessResult>& results) {
@@ -222,6 +238,13 @@ TEST(SyncBatchNorm, AnEngineStepWithUnequalMicroBatchCountsFailsEveryRank) {
     EXPECT_NE(r.out.find("SyncBatchNorm '1' communicates in every forward and backward"), std::string::npos)
         << r.describe();
     EXPECT_NE(r.out.find("(rank 0..2: 2, 2, 1)"), std::string::npos) << r.describe();
+  }
+}
+
+TEST(SyncBatchNorm, JoinIsRefused) {
+  for (const auto& r : run(2, {}, "sync_batch_norm_join")) {
+    EXPECT_EQ(r.exit_code, 3) << r.describe();
+    EXPECT_NE(r.out.find("Join: the model's SyncBatchNorm '2' communicates"), std::string::npos) << r.describe();
   }
 }
 

@@ -115,6 +115,26 @@ TEST(SyncBatchNormTrain, OnMpiTooWithAnEmptyRank) {
                            {"--backend", "mpi", "--reduction", "global-mean"}, true});
 }
 
+// K = 2: each micro-step normalises over the union of the ranks' k-th micro-batches, which is what --verify-every's
+// reference computes (one process, those unions one after another); and FSDP with bfloat16 parameters, whose
+// SyncBatchNorm computes in float32 and reduces float32 sums.
+TEST(SyncBatchNormTrain, AccumulationVerifiesAndBfloat16Trains) {
+  const Case c{"mlp-bn:8-12-5", 96, 3, {"--global-batch", "24", "--epochs", "1"}, {}};
+  const auto dir = make_case(c);
+  std::vector<std::string> ours{GRADSYNC_BIN, "train", "--world-size", "3", "--sync-bn", "--accumulate", "2",
+                                "--verify-every", "1", "--quiet"};
+  const auto both = common(c, dir);
+  ours.insert(ours.end(), both.begin(), both.end());
+  auto r = t::run(ours, cli());
+  ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_NE(r.err.find("gradsync verify: step 3"), std::string::npos) << r.describe();
+  std::vector<std::string> bf16{GRADSYNC_BIN, "train", "--world-size", "2", "--sync-bn", "--strategy", "fsdp-full",
+                                "--param-dtype", "bf16", "--quiet"};
+  bf16.insert(bf16.end(), both.begin(), both.end());
+  auto b = t::run(bf16, cli());
+  EXPECT_TRUE(b.ok()) << b.describe();
+}
+
 TEST(SyncBatchNormTrain, NeedsBatchNormAndRanks) {
   auto no_bn = t::run({GRADSYNC_BIN, "train", "--model", "mlp:8-4-2", "--data", "synthetic:16", "--sync-bn",
                        "--global-batch", "8",

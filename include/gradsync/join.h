@@ -30,6 +30,7 @@ struct JoinOptions {
 
 class Join {
  public:
+  // ConfigError for a model with a SyncBatchNorm (a joined rank runs no forward to meet its collectives).
   explicit Join(DistributedDataParallel& ddp, JoinOptions options = {});
   ~Join();
   Join(const Join&) = delete;

@@ -8,6 +8,7 @@
 #include "ddp/reducer.h"
 #include "engine/replica.h"
 #include "gradsync/error.h"
+#include "norm/sync_batch_norm_path.h"
 
 namespace gradsync {
 namespace {
@@ -23,7 +24,15 @@ int highest(const torch::Tensor& one_hot) {
 
 }  // namespace
 
-Join::Join(DistributedDataParallel& ddp, JoinOptions options) : ddp_(ddp), options_(options) {}
+Join::Join(DistributedDataParallel& ddp, JoinOptions options) : ddp_(ddp), options_(options) {
+  // A joined rank's shadow step runs no forward, so it could not meet a SyncBatchNorm's collectives (PyTorch's Join
+  // does not support SyncBatchNorm either). Every rank holds the same model: every rank fails here.
+  if (const auto path = norm::sync_batch_norm_path(*ddp_.reducer_->module); !path.empty()) {
+    throw ConfigError(fmt::format("Join: the model's SyncBatchNorm '{}' communicates in every forward and backward, "
+                                  "which a joined rank does not run; give a rank short of data empty batches (zero "
+                                  "rows, their loss times 0) instead of joining", path));
+  }
+}
 
 Join::~Join() {
   auto& r = *ddp_.reducer_;

@@ -7,7 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "gradsync/error.h"
-#include "gradsync/sync_batch_norm.h"
+#include "norm/sync_batch_norm_path.h"
 #include "shard/full_optim_state.h"
 
 namespace gradsync {
@@ -75,13 +75,7 @@ void check_micro_batches(int64_t micro_batches, int64_t minimum) {
 void check_sync_batch_norm_steps(Engine& engine, int64_t micro_batches) {
   auto* comm = engine.comm();
   if (!comm || comm->size() == 1) return;
-  std::string name;
-  for (const auto& m : engine.module().named_modules()) {
-    if (dynamic_cast<const SyncBatchNormImpl*>(m.value().get())) {
-      name = m.key();
-      break;
-    }
-  }
+  const auto name = norm::sync_batch_norm_path(engine.module());
   if (name.empty()) return;
   auto all = torch::empty({comm->size()}, torch::kLong);
   comm->allgather_flat(torch::tensor({micro_batches}, torch::kLong), all);

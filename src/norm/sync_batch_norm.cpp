@@ -11,6 +11,7 @@
 #include "gradsync/error.h"
 #include "gradsync/runtime.h"
 #include "norm/batch_statistics.h"
+#include "norm/sync_batch_norm_path.h"
 #include "norm/sync_batch_norm_function.h"
 
 namespace gradsync {
@@ -143,7 +144,7 @@ torch::Tensor SyncBatchNormImpl::forward(const torch::Tensor& input) {
     running_mean.copy_(running_mean.to(torch::kDouble) * (1 - factor) + stats.mean * factor);
     running_var.copy_(running_var.to(torch::kDouble) * (1 - factor) + stats.var * (n / (n - 1)) * factor);
   }
-  const auto dtype = input.scalar_type();
+  const auto dtype = input.element_size() < 4 ? torch::kFloat : input.scalar_type();  // 16-bit: float32 inside
   const auto invstd = (stats.var + options.eps()).rsqrt();
   return norm::normalise(input, weight, bias, stats.mean.to(dtype), invstd.to(dtype), stats.count, group_);
 }
@@ -201,4 +202,14 @@ int64_t convert_sync_batchnorm(torch::nn::Module& module, const std::shared_ptr<
   return convert_sync_batchnorm(module, world_group(world));
 }
 
+namespace norm {
+
+std::string sync_batch_norm_path(const torch::nn::Module& module) {
+  for (const auto& m : module.named_modules()) {
+    if (dynamic_cast<const SyncBatchNormImpl*>(m.value().get())) return m.key().empty() ? "(the module itself)" : m.key();
+  }
+  return "";
+}
+
+}  // namespace norm
 }  // namespace gradsync
