@@ -46,10 +46,22 @@ class PendingWork {
 class Collectives {
  public:
   Collectives(std::shared_ptr<Transport> transport, int rank, int size, std::chrono::milliseconds timeout);
+  // A sub-group: `world_ranks[rank]` is this process's world rank.
+  Collectives(std::shared_ptr<Transport> transport, int rank, std::vector<int> world_ranks, std::string group,
+              std::chrono::milliseconds timeout);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   Backend backend() const;
+  // The world rank of each rank of this group, in group order (the world itself: 0..size-1).
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+
+  // Collective over this group (PyTorch's new_group, MPI_Comm_split): the ranks passing the same `color` form one
+  // new group, numbered by `key` then by their rank here. `name` ("shard", "replica") goes into the group's error
+  // messages, which name world ranks. Gloo: a ProcessGroupGloo of the members on the job's store; MPI: a split of
+  // this communicator (a group inside one host keeps the shared-memory path). Operations on different groups may
+  // be in flight at once; each group orders its own.
+  std::shared_ptr<Collectives> split(int color, int key, const std::string& name);
 
   // In place. Mean multiplies by 1/N before a SUM allreduce (see Note [Where the division happens]).
   void allreduce(torch::Tensor& tensor, Reduction reduction);
@@ -84,7 +96,10 @@ class Collectives {
   int rank_;
   int size_;
   std::chrono::milliseconds timeout_;
+  std::vector<int> world_ranks_;
+  std::string group_;      // "" for the world; the name given to split() otherwise
   uint64_t sequence_ = 0;  // counts operations so an error can say which one failed
+  uint64_t splits_ = 0;    // counts split() calls: keeps the store keys of each split's groups apart
 };
 
 }  // namespace gradsync

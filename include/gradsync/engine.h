@@ -138,7 +138,7 @@ class Engine {
   virtual StateDict full_gradients();
   // Collective. The optimizer's state of every original parameter, whole, under the parameters' state-dict names,
   // in PyTorch's FSDP.full_optim_state_dict layout ({"state": {name: {"step", "exp_avg", ...}}, "param_groups":
-  // [{..., "params": [names]}]}; src/shard/full_optim_state.h): on every rank, or only on rank 0 with rank0_only
+  // [{..., "params": [names]}]}; src/engine/full_optim_state.h): on every rank, or only on rank 0 with rank0_only
   // (the others get an empty dict). The optimizer (SGD, Adam, AdamW) steps parameters() or named_parameters().
   virtual c10::IValue full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only = true);
   // Loads such a dict -- the whole dict on every rank, e.g. read_torch_file() of what save_torch_file() wrote --
@@ -183,6 +183,10 @@ class Engine {
   virtual bool reduces_every_micro_step() const { return false; }
   // The next forward continues the current step: no buffer broadcast, as after a no_sync forward.
   virtual void continue_accumulation() {}
+  // Reducing every micro-step: whether this micro-step's backward completes the step's reduction. Hybrid sharding
+  // reduce-scatters every micro-step and all-reduces across replicas only when it does; accumulate() sets it for
+  // the last micro-step. The other engines have nothing to defer.
+  virtual void set_requires_all_reduce(bool /*all_reduce*/) {}
   // Reduction::GlobalMean: the step's item count over all ranks, before the synchronising backward.
   virtual void set_global_item_count(int64_t items);
   // accumulate() calls it first with this rank's micro-batch count and runs the micro-steps it returns: this
@@ -274,6 +278,7 @@ double accumulate(Engine& engine, int64_t micro_batches, LossFn&& micro_loss) {
       total += scaled.template item<double>();
     };
     const bool last = k + 1 == steps;
+    if (engine.reduces_every_micro_step()) engine.set_requires_all_reduce(last);
     if (last) {
       step();
     } else if (engine.reduces_every_micro_step()) {

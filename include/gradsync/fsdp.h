@@ -97,17 +97,27 @@ enum class ShardingStrategy {
   FullShard,    // ZeRO-3: parameters, gradients and optimizer state sharded; parameters gathered per unit use
   ShardGradOp,  // ZeRO-2: gradients and optimizer state sharded; parameters gathered from forward to backward's end
   NoShard,      // DDP-equivalent: nothing sharded, gradients allreduced
+  // Hybrid sharding: FullShard / ShardGradOp inside a shard group of S ranks (one host's), the R = N / S groups
+  // replicas of each other (FsdpOptions::replicas, src/runtime/mesh.h). A unit's gradient is reduce-scattered in the
+  // shard group, and the shard all-reduced across the replicas (Note [Hybrid sharding] in docs/semantics.md).
+  HybridShard,
+  HybridShardGradOp,
 };
-const char* to_string(ShardingStrategy strategy);  // "full_shard", "shard_grad_op", "no_shard"
+const char* to_string(ShardingStrategy strategy);  // "full_shard", ..., "hybrid_shard", "hybrid_shard_grad_op"
+bool is_hybrid(ShardingStrategy strategy);
+// FullShard and HybridShard: a unit's parameters are freed after each use (ZeRO-3); the others keep them.
+bool frees_after_use(ShardingStrategy strategy);
 
 // How K micro-batches combine under FSDP. Both give the same gradient (sum over micro-batches of loss_k/K, mean
-// over ranks); they trade memory for communication:
+// over ranks); they trade memory for communication. Under hybrid sharding the all-reduce across replicas runs once
+// per step in both, on the last micro-step:
 enum class ShardedAccumulation {
   // K-1 micro-steps under no_sync(): each unit's unsharded gradient buffer stays allocated and sums locally, one
   // reduction per step. Costs a full gradient (Psi x compute dtype) per rank between micro-steps.
   UnshardedGradients,
   // Every micro-step reduce-scatters and adds into the shard gradient: gradient memory stays 1/N, K reductions per
   // step. A rank with fewer micro-batches runs shadow micro-steps (engine.h, begin_step). Not with GlobalMean.
+  // Hybrid: the reduce-scattered shards sum over the micro-steps, all-reduced across replicas on the last one.
   ReduceEveryMicroStep,
 };
 
@@ -134,6 +144,12 @@ struct FsdpOptions {
   // (PyTorch's limit_all_gathers). false: one unit at a time, the lowest peak. Reduce-scatters always overlap the
   // rest of backward (one in flight), collected before backward() returns.
   TORCH_ARG(bool, prefetch) = true;
+  // Hybrid strategies: R, the number of replicas (N / R ranks shard each); 0: one per host (world size / local
+  // world size). R = 1 is FullShard / ShardGradOp over the world, R = N replicates like NoShard.
+  TORCH_ARG(int, replicas) = 0;
+  // Hybrid strategies: allow a shard group to span hosts (ConfigError otherwise): its all-gathers and
+  // reduce-scatters then cross the link between them every unit.
+  TORCH_ARG(bool, shard_across_hosts) = false;
 };
 
 struct UnitInfo {
@@ -179,11 +195,13 @@ class FullyShardedDataParallel : public Engine {
   // Collective: rank 0's state re-sharded. Optimizer state is not touched.
   void load_state_dict(const StateDict& state) override;
   StateDict full_gradients() override;  // collective: one all-gather of shard gradients per unit
-  // Collective: one all-gather per unit and state tensor (src/shard/full_optim_state.h).
+  // Collective: one all-gather per unit and state tensor (src/engine/full_optim_state.h).
   c10::IValue full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only = true) override;
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) override;
   MemoryStats memory() const override;
-  CommStats traffic() const override;  // bytes this rank sent in unit collectives since construction
+  // Bytes this rank sent in unit collectives since construction; hybrid: the all-reduce across replicas apart
+  // (CommStats::across_replicas), the rest inside the shard group.
+  CommStats traffic() const override;
   torch::nn::Module& module() override;
   Reduction reduction() const override;
   const char* name() const override { return "FullyShardedDataParallel"; }
@@ -200,6 +218,9 @@ class FullyShardedDataParallel : public Engine {
   void set_global_item_count(int64_t items) override;
   bool reduces_every_micro_step() const override;
   void continue_accumulation() override;
+  // Hybrid, reducing every micro-step: whether this micro-step's backward all-reduces the accumulated shard
+  // gradients across replicas (accumulate() sets it for the last micro-step only). true by default.
+  void set_requires_all_reduce(bool all_reduce) override;
   // One small all-gather of every rank's micro-batch count (and whether it has a micro-step to replay): every rank
   // runs the largest count, a rank with fewer adds shadow micro-steps after its own; ConfigError on every rank
   // where a rank has none of its own to replay.

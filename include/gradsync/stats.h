@@ -79,12 +79,14 @@ struct CommStats {
   int64_t allgather = 0;       // bytes sent by this rank
   int64_t reduce_scatter = 0;
   int64_t allreduce = 0;
+  int64_t across_replicas = 0;  // hybrid sharding: the shards' all-reduce between replicas (the rest: in a shard group)
   int64_t calls = 0;
-  int64_t total() const { return allgather + reduce_scatter + allreduce; }
+  int64_t total() const { return allgather + reduce_scatter + allreduce + across_replicas; }
 
   void add_allgather(int64_t total_bytes, int world);
   void add_reduce_scatter(int64_t total_bytes, int world);
   void add_allreduce(int64_t bytes, int world);
+  void add_replica_allreduce(int64_t bytes, int replicas);
   CommStats operator-(const CommStats& before) const;
 };
 

@@ -61,7 +61,7 @@ class Zero1DataParallel : public Engine {
   StateDict state_dict(bool rank0_only = false) override;  // parameters are whole: no gather; buffers rank 0's
   void load_state_dict(const StateDict& state) override;
   StateDict full_gradients() override;  // collective: one all-gather of shard gradients per unit
-  // Collective: one all-gather per unit and state tensor (src/shard/full_optim_state.h).
+  // Collective: one all-gather per unit and state tensor (src/engine/full_optim_state.h).
   c10::IValue full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only = true) override;
   void load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) override;
   MemoryStats memory() const override;

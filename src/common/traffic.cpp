@@ -20,11 +20,17 @@ void CommStats::add_allreduce(int64_t bytes, int world) {
   ++calls;
 }
 
+void CommStats::add_replica_allreduce(int64_t bytes, int replicas) {
+  across_replicas += 2 * bytes * (replicas - 1) / replicas;
+  ++calls;
+}
+
 CommStats CommStats::operator-(const CommStats& before) const {
   CommStats d;
   d.allgather = allgather - before.allgather;
   d.reduce_scatter = reduce_scatter - before.reduce_scatter;
   d.allreduce = allreduce - before.allreduce;
+  d.across_replicas = across_replicas - before.across_replicas;
   d.calls = calls - before.calls;
   return d;
 }

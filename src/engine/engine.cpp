@@ -8,7 +8,7 @@
 
 #include "gradsync/error.h"
 #include "norm/sync_batch_norm_path.h"
-#include "shard/full_optim_state.h"
+#include "engine/full_optim_state.h"
 
 namespace gradsync {
 

@@ -4,10 +4,12 @@
 
 #include <utility>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "gradsync/error.h"
 #include "runtime/peers.h"
@@ -51,15 +53,56 @@ PendingWork PendingWork::then(std::function<void()> fn) && {
 }
 
 Collectives::Collectives(std::shared_ptr<Transport> transport, int rank, int size, std::chrono::milliseconds timeout)
-    : transport_(std::move(transport)), rank_(rank), size_(size), timeout_(timeout) {}
+    : transport_(std::move(transport)), rank_(rank), size_(size), timeout_(timeout) {
+  for (int r = 0; r < size; ++r) world_ranks_.push_back(r);
+}
+
+Collectives::Collectives(std::shared_ptr<Transport> transport, int rank, std::vector<int> world_ranks,
+                         std::string group, std::chrono::milliseconds timeout)
+    : transport_(std::move(transport)),
+      rank_(rank),
+      size_(static_cast<int>(world_ranks.size())),
+      timeout_(timeout),
+      world_ranks_(std::move(world_ranks)),
+      group_(std::move(group)) {}
+
+std::shared_ptr<Collectives> Collectives::split(int color, int key, const std::string& name) {
+  const uint64_t id = ++splits_;
+  auto mine = torch::tensor({static_cast<int64_t>(color), static_cast<int64_t>(key)}, torch::kLong);
+  auto all = torch::empty({2 * size_}, torch::kLong);
+  allgather_flat(mine, all);
+  const int64_t* v = all.data_ptr<int64_t>();
+  std::vector<int> members;  // ranks of this group with my color, ordered by (key, rank) as MPI_Comm_split does
+  for (int r = 0; r < size_; ++r) {
+    if (v[2 * r] == color) members.push_back(r);
+  }
+  std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return v[2 * a + 1] < v[2 * b + 1]; });
+  const int index = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+  std::vector<int> world;
+  for (int m : members) world.push_back(world_ranks_[static_cast<size_t>(m)]);
+  const auto label = group_.empty() ? name : fmt::format("{}/{}", group_, name);
+  auto what = describe("split", nullptr, fmt::format("{} group of world ranks {}", label, fmt::join(world, ",")).c_str());
+  try {
+    auto transport = transport_->split(members, index, fmt::format("{}.{}", id, color), color, key, timeout_);
+    return std::make_shared<Collectives>(std::move(transport), index, std::move(world), label, timeout_);
+  } catch (const std::runtime_error& e) {
+    if (dynamic_cast<const Error*>(&e)) throw;
+    throw operation_failed(what, e);
+  }
+}
 
 Backend Collectives::backend() const { return transport_->backend(); }
 
 std::string Collectives::describe(const char* op, const torch::Tensor* tensor, const char* detail) {
   ++sequence_;
   std::string shape = tensor ? fmt::format(", {} x {}", tensor->numel(), c10::toString(tensor->scalar_type())) : "";
-  return fmt::format("rank {} of {}: {} #{}{}{} on {}", rank_, size_, op, sequence_,
-                     detail ? fmt::format(" ({})", detail) : std::string(), shape, to_string(backend()));
+  // A sub-group's errors name world ranks: "rank 3 (1 of 2 in the shard group of world ranks 2,3)".
+  const auto who = group_.empty() ? fmt::format("rank {} of {}", rank_, size_)
+                                  : fmt::format("rank {} ({} of {} in the {} group of world ranks {})",
+                                                world_ranks_[static_cast<size_t>(rank_)], rank_, size_, group_,
+                                                fmt::join(world_ranks_, ","));
+  return fmt::format("{}: {} #{}{}{} on {}", who, op, sequence_, detail ? fmt::format(" ({})", detail) : std::string(),
+                     shape, to_string(backend()));
 }
 
 void Collectives::run(std::shared_ptr<TransportWork> work, std::string what) {

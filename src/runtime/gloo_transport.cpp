@@ -64,10 +64,27 @@ class GlooWorks : public TransportWork {
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
 };
 
+// A process group of `size` ranks, of which this is `rank`, on the keys of `store` (a prefix of its own).
+c10::intrusive_ptr<GlooGroup> connect_group(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                            const c10::intrusive_ptr<c10d::ProcessGroupGloo::Options>& options) {
+  return c10::make_intrusive<GlooGroup>(store, rank, size, options);
+}
+
 class GlooTransport : public Transport {
  public:
-  GlooTransport(c10::intrusive_ptr<GlooGroup> group, int size) : group_(std::move(group)), size_(size) {}
+  GlooTransport(c10::intrusive_ptr<GlooGroup> group, int size, c10::intrusive_ptr<c10d::Store> store,
+                c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options)
+      : group_(std::move(group)), size_(size), store_(std::move(store)), options_(std::move(options)) {}
   Backend backend() const override { return Backend::Gloo; }
+
+  // The members meet on keys of their own under the job's store; the other ranks never touch those keys. Only the
+  // members' own connections are made: a sub-group costs its members, not the job.
+  std::shared_ptr<Transport> split(const std::vector<int>& members, int index, const std::string& id, int /*color*/,
+                                   int /*key*/, std::chrono::milliseconds /*timeout*/) override {
+    auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("split/{}", id), store_);
+    const int size = static_cast<int>(members.size());
+    return std::make_shared<GlooTransport>(connect_group(store, index, size, options_), size, store, options_);
+  }
 
   std::shared_ptr<TransportWork> allreduce_sum(torch::Tensor tensor) override {
     return std::make_shared<GlooWork>(group_->allreduce_sum(std::move(tensor)));
@@ -132,6 +149,8 @@ class GlooTransport : public Transport {
 
   c10::intrusive_ptr<GlooGroup> group_;
   int size_;
+  c10::intrusive_ptr<c10d::Store> store_;  // this group's keys: its splits meet under them
+  c10::intrusive_ptr<c10d::ProcessGroupGloo::Options> options_;
 };
 
 }  // namespace
@@ -142,8 +161,8 @@ std::shared_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::St
   options->devices.push_back(gloo_device(env));
   auto pg_store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("gradsync/{}/pg", env.restart_count), store);
   try {
-    auto group = c10::make_intrusive<GlooGroup>(pg_store, env.rank, env.world_size, options);
-    return std::make_shared<GlooTransport>(std::move(group), env.world_size);
+    auto group = connect_group(pg_store, env.rank, env.world_size, options);
+    return std::make_shared<GlooTransport>(std::move(group), env.world_size, pg_store, options);
   } catch (const std::exception& e) {
     throw DistributedError(fmt::format("rank {} of {}: cannot connect the Gloo process group: {}", env.rank,
                                        env.world_size, e.what()));

@@ -247,28 +247,64 @@ class WorkQueue : public std::enable_shared_from_this<WorkQueue> {
   bool eager_;
 };
 
-// The operations capture the communicator by value, never the transport: a detached worker may still run them.
-class MpiTransport : public Transport {
+// The one worker thread of a process, shared by the transports of the world and of its sub-groups (split()): every
+// MPI call of the process runs on it, in submission order, so the ranks' programs alone order the operations of
+// different groups. Joined when the last transport goes, or detached after a failure (see mpi_failed).
+class MpiWorker {
  public:
-  MpiTransport(bool eager, bool shared_allowed) : queue_(std::make_shared<WorkQueue>(eager)) {
-    MPI_Comm_dup(MPI_COMM_WORLD, &comm_);
-    MPI_Comm_size(comm_, &size_);
-    MPI_Comm_rank(comm_, &rank_);
-    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // errors become exceptions, not an abort
-    shared_buckets_ = shared_buckets_possible(comm_, size_, shared_allowed);
-    worker_ = std::thread([queue = queue_] { queue->run(); });
+  explicit MpiWorker(bool eager) : queue_(std::make_shared<WorkQueue>(eager)) {
+    thread_ = std::thread([queue = queue_] { queue->run(); });
   }
-
-  ~MpiTransport() override {
+  ~MpiWorker() {
     queue_->stop();
     // An operation stuck in MPI (a peer died) cannot be joined; MPI is then never finalised (see mpi_failed).
     if (mpi_failed() || std::uncaught_exceptions() > 0) {
       mpi_failed() = true;
-      worker_.detach();
+      thread_.detach();
       return;
     }
-    worker_.join();
-    MPI_Comm_free(&comm_);
+    thread_.join();
+  }
+  std::shared_ptr<MpiWork> submit(std::function<int()> run) { return queue_->submit(std::move(run)); }
+
+ private:
+  std::shared_ptr<WorkQueue> queue_;
+  std::thread thread_;
+};
+
+// The operations capture the communicator by value, never the transport: a detached worker may still run them.
+class MpiTransport : public Transport {
+ public:
+  // Takes `comm` over (freed with the transport). Collective over it: whether its buckets can be shared.
+  MpiTransport(std::shared_ptr<MpiWorker> worker, MPI_Comm comm, bool shared_allowed,
+               std::chrono::milliseconds timeout)
+      : worker_(std::move(worker)), comm_(comm), shared_allowed_(shared_allowed) {
+    submit([this] {
+      MPI_Comm_size(comm_, &size_);
+      MPI_Comm_rank(comm_, &rank_);
+      MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);  // errors become exceptions, not an abort
+      shared_buckets_ = shared_buckets_possible(comm_, size_, shared_allowed_);
+      return MPI_SUCCESS;
+    })->wait(timeout);
+  }
+
+  ~MpiTransport() override {
+    if (mpi_failed() || std::uncaught_exceptions() > 0) return;  // the worker may still use comm_: leaked
+    // On the worker, after every operation of this group: none may run on a freed communicator.
+    try {
+      submit([comm = comm_]() mutable { return MPI_Comm_free(&comm); })->wait(std::chrono::minutes(1));
+    } catch (const std::exception&) {
+      // mpi_failed is set: MPI is never finalised, the process is going down with an error of its own
+    }
+  }
+
+  // MPI_Comm_split on the worker, in order with this group's other operations; a group inside one host keeps the
+  // shared-memory buckets.
+  std::shared_ptr<Transport> split(const std::vector<int>& /*members*/, int /*index*/, const std::string& /*id*/,
+                                   int color, int key, std::chrono::milliseconds timeout) override {
+    auto sub = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+    submit([comm = comm_, color, key, sub] { return MPI_Comm_split(comm, color, key, sub.get()); })->wait(timeout);
+    return std::make_shared<MpiTransport>(worker_, *sub, shared_allowed_, timeout);
   }
 
   Backend backend() const override { return Backend::Mpi; }
@@ -336,15 +372,15 @@ class MpiTransport : public Transport {
     return static_cast<int>(bytes);
   }
 
-  std::shared_ptr<TransportWork> submit(std::function<int()> run) { return queue_->submit(std::move(run)); }
+  std::shared_ptr<MpiWork> submit(std::function<int()> run) { return worker_->submit(std::move(run)); }
 
+  std::shared_ptr<MpiWorker> worker_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int size_ = 0;
   int rank_ = 0;
+  bool shared_allowed_ = true;   // GRADSYNC_MPI_SHARED_BUCKETS on this rank
   bool shared_buckets_ = false;  // every rank on this host and allowing it: buffers are agreed on, maybe shared
   SegmentRegistry segments_;  // the reduction buffers' segments, to find them again in allreduce_sum()
-  std::shared_ptr<WorkQueue> queue_;
-  std::thread worker_;
 };
 
 // Which of two values the environment variable `name` holds: true for `yes`, false for `no`, `fallback` when unset
@@ -370,7 +406,7 @@ bool starts_eagerly(const LaunchEnv& env) {
 
 }  // namespace
 
-std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env) {
+std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env, std::chrono::milliseconds timeout) {
   ensure_mpi_initialized();
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -382,7 +418,10 @@ std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env) {
   }
   // GRADSYNC_MPI_SHARED_BUCKETS=on|off: whether reduction buffers (DDP's buckets) may live in shared memory.
   const bool shared_buckets = env_switch("GRADSYNC_MPI_SHARED_BUCKETS", "on", "off", true);
-  return std::make_shared<MpiTransport>(starts_eagerly(env), shared_buckets);
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  return std::make_shared<MpiTransport>(std::make_shared<MpiWorker>(starts_eagerly(env)), comm, shared_buckets,
+                                        timeout);
 }
 
 }  // namespace gradsync

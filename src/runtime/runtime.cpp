@@ -69,7 +69,9 @@ std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, co
 std::shared_ptr<World> init(const InitOptions& options) {
   LaunchEnv env = options.env ? *options.env : read_launch_env();
   if (options.backend) env.backend = *options.backend;
-  if (env.backend == Backend::Mpi) return std::make_shared<World>(env, make_mpi_transport(env), options.timeout);
+  if (env.backend == Backend::Mpi) {
+    return std::make_shared<World>(env, make_mpi_transport(env, options.timeout), options.timeout);
+  }
   if (env.world_size > 1 && env.store_file.empty() && env.master_addr.empty()) {
     throw ConfigError(fmt::format("rank {} of {}: the gloo backend needs a rendezvous store: set MASTER_ADDR and "
                                   "MASTER_PORT (or run under `gradsync launch`), or use the mpi backend under mpirun",

@@ -35,6 +35,11 @@ class Transport {
   // output (n elements) on rank r = sum over ranks of input[r*n : (r+1)*n].
   virtual std::shared_ptr<TransportWork> reduce_scatter_sum(torch::Tensor input, torch::Tensor output) = 0;
   virtual std::shared_ptr<TransportWork> barrier() = 0;
+  // A transport over `members` (ranks of this one, in the new group's order), of which this rank is
+  // members[index]; every member calls it with the same members and `id` (unique per split and color), and the
+  // ranks of other colors call it for their own groups at the same time. Returns once the group is connected.
+  virtual std::shared_ptr<Transport> split(const std::vector<int>& members, int index, const std::string& id,
+                                           int color, int key, std::chrono::milliseconds timeout) = 0;
   // Collective (same numel and dtype on every rank, in the same order): zeros to pass to allreduce_sum() again and
   // again, as DDP's buckets. MPI with every rank on one host places them in shared memory (shared_segment.h), where
   // allreduce_sum() of them, or of a part at the same offset on every rank, sums in place. Plain memory elsewhere.
@@ -49,6 +54,6 @@ std::shared_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::St
 
 // Open MPI on a duplicate of MPI_COMM_WORLD; initialises MPI once per process. Throws ConfigError when MPI's
 // rank or size disagree with `env` (a process not started by mpirun).
-std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env);
+std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env, std::chrono::milliseconds timeout);
 
 }  // namespace gradsync

@@ -211,9 +211,29 @@ void FlatParam::start_reduce(Collectives& comm, double factor, CommStats& stats)
 void FlatParam::finish_reduce() {
   if (!reduced_.defined()) return;
   reduce_work_.wait();
-  torch::NoGradGuard no_grad;
   auto mine = std::move(reduced_);
   reduced_ = torch::Tensor();
+  if (!defers_) return add_to_shard_grad(std::move(mine));
+  torch::NoGradGuard no_grad;
+  // May alias the released gradient buffer (one rank per shard group): the pending sum owns it from here.
+  pending_ = pending_.defined() ? pending_.add_(mine) : mine.contiguous();
+  release_grad_buffer();
+}
+
+PendingWork FlatParam::all_reduce_pending(Collectives& replicas, CommStats& stats) {
+  if (replicas.size() == 1) return {};
+  stats.add_replica_allreduce(pending_.numel() * static_cast<int64_t>(pending_.element_size()), replicas.size());
+  return replicas.allreduce_sum_async(pending_);
+}
+
+void FlatParam::finish_pending() {
+  auto mine = std::move(pending_);
+  pending_ = torch::Tensor();
+  add_to_shard_grad(std::move(mine));
+}
+
+void FlatParam::add_to_shard_grad(torch::Tensor mine) {
+  torch::NoGradGuard no_grad;
   const auto reduce_dtype = precision_.reduce(master_dtype_);
   if (mine.scalar_type() != reduce_dtype) mine = mine.to(reduce_dtype);  // See Note [Mixed precision on Gloo]
   if (mine.scalar_type() != master_dtype_) mine = mine.to(master_dtype_);
@@ -263,6 +283,7 @@ void FlatParam::count_params(StorageBytes& bytes) const {
 void FlatParam::count_grads(StorageBytes& bytes) const {
   bytes.add(shard_.grad());
   bytes.add(grad_buffer_);
+  bytes.add(pending_);
 }
 
 MemoryBreakdown count_memory(const std::vector<FlatParam*>& flats, const torch::optim::Optimizer* optimizer) {

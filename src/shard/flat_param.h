@@ -92,6 +92,14 @@ class FlatParam {
   // the buffer). finish_reduce() is a no-op when none is in flight.
   void start_reduce(Collectives& comm, double factor, CommStats& stats);
   void finish_reduce();
+  // Hybrid sharding (Note [Hybrid sharding] in docs/semantics.md): finish_reduce() adds this rank's reduced part
+  // into a pending shard gradient (wire dtype, summed over the micro-steps that reduce) instead of the shard's .grad;
+  // all_reduce_pending() SUM-all-reduces it across the replicas, and finish_pending() adds it into .grad.
+  void defer_to_replicas() { defers_ = true; }
+  bool has_pending() const { return pending_.defined(); }
+  void drop_pending() { pending_ = torch::Tensor(); }  // zero_grad(): a step's unfinished sum goes too
+  PendingWork all_reduce_pending(Collectives& replicas, CommStats& stats);
+  void finish_pending();
   void release_grad_buffer();  // .grad of the parameters becomes undefined
 
   // The full padded master values, gathered from every rank (a collective when sharded).
@@ -113,6 +121,7 @@ class FlatParam {
   void make_pieces();
   void bind_piece_grads();
   void zero_untaken();  // the regions no gradient was taken into, and the padding
+  void add_to_shard_grad(torch::Tensor mine);  // a reduced part (wire dtype) into the shard's .grad, buffer released
   void fill_full(Collectives& comm, CommStats& stats);
 
   std::string name_;
@@ -130,6 +139,8 @@ class FlatParam {
   PendingWork gather_work_;    // the all-gather into full_ in flight, if any
   PendingWork reduce_work_;    // the reduction into reduced_ in flight, if any
   torch::Tensor reduced_;      // this rank's reduced part (wire dtype) until finish_reduce(); undefined otherwise
+  torch::Tensor pending_;      // hybrid: reduced parts not yet all-reduced across replicas (wire dtype)
+  bool defers_ = false;        // hybrid: see defer_to_replicas()
   bool aliases_master_ = false;
   bool gathered_ = false;
 };

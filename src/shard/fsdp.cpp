@@ -10,7 +10,7 @@
 #include "common/consistency.h"
 #include "gradsync/error.h"
 #include "engine/replica.h"
-#include "shard/full_optim_state.h"
+#include "engine/full_optim_state.h"
 #include "shard/full_state.h"
 #include "shard/sharded_checkpoint.h"
 #include "shard/sharded_units.h"
@@ -27,8 +27,18 @@ const char* to_string(ShardingStrategy strategy) {
     case ShardingStrategy::FullShard: return "full_shard";
     case ShardingStrategy::ShardGradOp: return "shard_grad_op";
     case ShardingStrategy::NoShard: return "no_shard";
+    case ShardingStrategy::HybridShard: return "hybrid_shard";
+    case ShardingStrategy::HybridShardGradOp: return "hybrid_shard_grad_op";
   }
   return "?";
+}
+
+bool is_hybrid(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::HybridShard || strategy == ShardingStrategy::HybridShardGradOp;
+}
+
+bool frees_after_use(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::FullShard || strategy == ShardingStrategy::HybridShard;
 }
 
 FullyShardedDataParallel::FullyShardedDataParallel(const ModuleRef& module, std::shared_ptr<World> world,
@@ -43,6 +53,11 @@ FullyShardedDataParallel::FullyShardedDataParallel(const ModuleRef& module, std:
       s.options.accumulation() == ShardedAccumulation::ReduceEveryMicroStep) {
     throw ConfigError(fmt::format("{}: Reduction::GlobalMean divides by the step's item count, known only before the "
                                   "last micro-step; it needs ShardedAccumulation::UnshardedGradients", kWho));
+  }
+  if (!is_hybrid(s.options.strategy()) && (s.options.replicas() != 0 || s.options.shard_across_hosts())) {
+    throw ConfigError(fmt::format("{}: replicas ({}) and shard_across_hosts apply to the hybrid strategies "
+                                  "(hybrid_shard, hybrid_shard_grad_op), not {}", kWho, s.options.replicas(),
+                                  to_string(s.options.strategy())));
   }
   s.build(kWho);
 }
@@ -86,6 +101,7 @@ void FullyShardedDataParallel::set_global_item_count(int64_t items) {
   units_->global_items = items;  // used by a GlobalMean reduction only
 }
 void FullyShardedDataParallel::continue_accumulation() { units_->buffers.continue_accumulation(); }
+void FullyShardedDataParallel::set_requires_all_reduce(bool all_reduce) { units_->requires_all_reduce = all_reduce; }
 
 bool FullyShardedDataParallel::reduces_every_micro_step() const {
   return units_->options.accumulation() == ShardedAccumulation::ReduceEveryMicroStep;
@@ -105,6 +121,7 @@ void FullyShardedDataParallel::zero_grad() {
   for (auto& f : units_->flats) {
     f->clear_shard_grad();
     f->release_grad_buffer();
+    f->drop_pending();
   }
   units_->sample_memory();
 }
@@ -116,22 +133,24 @@ void FullyShardedDataParallel::track_optimizer(const torch::optim::Optimizer* op
 
 double FullyShardedDataParallel::clip_grad_norm(double max_norm, double norm_type) {
   auto& s = *units_;
-  return gradsync::clip_grad_norm(parameters(), max_norm, norm_type, s.sharded() ? &s.comm() : nullptr);
+  // Each shard counted once: over the shard group (the replicas hold the same shards).
+  return gradsync::clip_grad_norm(parameters(), max_norm, norm_type, s.sharded() ? &s.group() : nullptr);
 }
 
 StateDict FullyShardedDataParallel::state_dict(bool rank0_only) {
   auto& s = *units_;
-  return full_state_dict(s.comm(), *s.module, s.flat_views, s.buffers.buffers(), !rank0_only, /*gather=*/true);
+  return full_state_dict(s.comm(), s.group(), *s.module, s.flat_views, s.buffers.buffers(), !rank0_only,
+                         /*gather=*/true);
 }
 
 StateDict FullyShardedDataParallel::full_gradients() {
   auto& s = *units_;
-  return full_gradient_dict(s.comm(), *s.module, s.flat_views);
+  return full_gradient_dict(s.group(), *s.module, s.flat_views);
 }
 
 c10::IValue FullyShardedDataParallel::full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only) {
   auto& s = *units_;
-  return sharded_optim_state_value(s.comm(), s.flat_views, optimizer, rank0_only);
+  return sharded_optim_state_value(s.comm(), s.group(), s.flat_views, optimizer, rank0_only);
 }
 
 void FullyShardedDataParallel::load_full_optim_state_dict(torch::optim::Optimizer& optimizer,

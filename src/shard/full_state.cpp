@@ -23,12 +23,13 @@ std::map<const void*, torch::Tensor> buffer_copies(Collectives& comm, const std:
 
 }  // namespace
 
-StateDict full_state_dict(Collectives& comm, const torch::nn::Module& module, const std::vector<FlatParam*>& flats,
-                          const std::vector<torch::Tensor>& buffers, bool all_ranks, bool gather) {
+StateDict full_state_dict(Collectives& comm, Collectives& shards, const torch::nn::Module& module,
+                          const std::vector<FlatParam*>& flats, const std::vector<torch::Tensor>& buffers,
+                          bool all_ranks, bool gather) {
   const bool receiver = all_ranks || comm.rank() == 0;
   std::map<std::string, torch::Tensor> values;
   for (auto* flat : gather ? flats : std::vector<FlatParam*>{}) {
-    auto full = flat->full_master(comm);  // a collective: every rank takes part
+    auto full = flat->full_master(shards);  // a collective: every rank of the shard group takes part
     if (!receiver) continue;
     for (const auto& e : flat->entries()) values[e.name] = full.narrow(0, e.offset, e.numel).view(e.shape).clone();
   }

@@ -14,16 +14,17 @@
 
 namespace gradsync {
 
-// Collective. Gathers every flat parameter's full master values (a collective per unit when sharded) and
-// assembles the module's state dict on `receivers` (rank 0, or every rank); other ranks get an empty one.
+// Collective. Gathers every flat parameter's full master values over `shards` (the world, or a hybrid strategy's
+// shard group; a collective per unit when sharded) and assembles the module's state dict on rank 0 of `comm`, or
+// every rank (all_ranks); other ranks get an empty one.
 // Parameters not in any flat, and every flat when `gather` is false (ZeRO-1: parameters are whole everywhere), come
 // from the module itself. Buffers are rank 0's.
-StateDict full_state_dict(Collectives& comm, const torch::nn::Module& module,
+StateDict full_state_dict(Collectives& comm, Collectives& shards, const torch::nn::Module& module,
                           const std::vector<FlatParam*>& flats, const std::vector<torch::Tensor>& buffers,
                           bool all_ranks, bool gather);
 
-// Collective. The whole reduced gradient of every parameter the flats hold (zeros where a shard has none), on every
-// rank, in the module's parameter order.
+// Collective over `comm`, the group the flats are sharded over. The whole reduced gradient of every parameter the
+// flats hold (zeros where a shard has none), on every rank, in the module's parameter order.
 StateDict full_gradient_dict(Collectives& comm, const torch::nn::Module& module, const std::vector<FlatParam*>& flats);
 
 // Collective. Checks rank 0's `state` against the module (strict: missing, unexpected, mis-shaped keys fail on

@@ -32,14 +32,14 @@ void ShardedUnits::start_gather(size_t u, OrderCheck::Op op) {
   auto& flat = *flats[u];
   if (flat.gathered()) return;
   order->expect(comm(), op, u, flat.padded_numel());
-  flat.start_gather(comm(), traffic);
+  flat.start_gather(group(), traffic);
   sample_memory();
 }
 
 void ShardedUnits::start_reduce(size_t u) {
   auto& flat = *flats[u];
   order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
-  flat.start_reduce(comm(), grad_factor(), traffic);
+  flat.start_reduce(group(), grad_factor(), traffic);
 }
 
 void ShardedUnits::finish_reductions(size_t keep_in_flight) {
@@ -59,7 +59,7 @@ size_t ShardedUnits::gathered_units() const {
 // Backward runs the units in reverse forward order: the next one is the last unit of this forward still waiting for
 // its gradient. Its all-gather starts now (FULL_SHARD freed it after forward), within kMaxGatheredUnits.
 void ShardedUnits::prefetch_backward() {
-  if (options.strategy() != ShardingStrategy::FullShard || !options.prefetch()) return;
+  if (!frees_after_use(options.strategy()) || !options.prefetch()) return;
   if (gathered_units() >= kMaxGatheredUnits) return;
   for (auto it = forward_order.rbegin(); it != forward_order.rend(); ++it) {
     const auto& p = progress[*it];
@@ -109,7 +109,8 @@ void ShardedUnits::enter_unit(size_t u) {
   forward_order.push_back(u);
   const size_t next = u + 1;
   if (!options.prefetch() || next >= flats.size() || is_root(next) || progress[next].needs_backward) return;
-  const bool keeps_all = options.strategy() == ShardingStrategy::ShardGradOp;
+  const bool keeps_all = options.strategy() == ShardingStrategy::ShardGradOp ||
+                         options.strategy() == ShardingStrategy::HybridShardGradOp;
   if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(next, OrderCheck::Op::ForwardGather);
 }
 
@@ -120,7 +121,7 @@ void ShardedUnits::enter_unit(size_t u) {
 // units in the same order, so every rank skips the same all-gather.
 void ShardedUnits::leave_unit(size_t u, bool needs_backward) {
   progress[u].needs_backward = progress[u].needs_backward || needs_backward;
-  if (options.strategy() != ShardingStrategy::FullShard) return;
+  if (!frees_after_use(options.strategy())) return;
   if (needs_backward) {
     kept_gathered = u;
   } else {
@@ -183,6 +184,7 @@ void ShardedUnits::end_forward() {
   buffers.after_forward(grad && require_backward_sync);
   if (grad) {
     backward_sync = require_backward_sync;
+    replica_sync = backward_sync && requires_all_reduce;
     backward_pending = true;
     if (root >= 0) progress[static_cast<size_t>(root)].needs_backward = true;
   } else {
@@ -246,7 +248,7 @@ void ShardedUnits::post_backward(size_t u) {
     finish_reductions(kMaxReductionsInFlight);
   }
   // FULL_SHARD reshards as soon as the unit's backward is done; the others keep parameters until the end.
-  if (options.strategy() == ShardingStrategy::FullShard) flat.free();
+  if (frees_after_use(options.strategy())) flat.free();
   prefetch_backward();
 }
 
@@ -258,7 +260,28 @@ void ShardedUnits::finalize_backward() {
     if (progress[u].needs_backward && !progress[u].post_backward_done) post_backward(u);
   }
   finish_reductions(0);
+  if (backward_sync && hybrid() && replica_sync) reduce_across_replicas();
   end_synced_backward();
+}
+
+// Note [Hybrid sharding]: the shard gradients the reduce-scatters summed inside the shard group (over this step's
+// micro-steps, when every one reduces) are SUM-all-reduced across the replicas, every unit's at once and in unit
+// order, so the link between hosts carries one all-reduce of 1/S of the model per step. The 1/N was applied before
+// the reduce-scatter.
+void ShardedUnits::reduce_across_replicas() {
+  std::vector<size_t> units;
+  std::vector<PendingWork> works;
+  for (size_t u = 0; u < flats.size(); ++u) {
+    if (!flats[u]->has_pending()) continue;
+    order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flats[u]->shard_numel());
+    units.push_back(u);
+    works.push_back(flats[u]->all_reduce_pending(*mesh.replica, traffic));
+  }
+  for (size_t i = 0; i < units.size(); ++i) {
+    works[i].wait();
+    flats[units[i]]->finish_pending();
+  }
+  sample_memory();
 }
 
 void ShardedUnits::end_synced_backward() {
@@ -347,25 +370,16 @@ void ShardedUnits::build(const std::string& who) {
     }
   }
   plans = plan_units(*module, options.wrap());
+  if (hybrid()) mesh = make_mesh(*world, options.replicas(), options.shard_across_hosts(), who);
   // Model and plan must agree on every rank before any unit collective is issued; rank 0's values everywhere,
   // before the parameters are flattened.
-  std::vector<std::string> lines{
-      fmt::format("strategy {} wrap {}", to_string(options.strategy()), options.wrap().to_string())};
+  std::vector<std::string> lines{fmt::format("strategy {} wrap {} replicas {}", to_string(options.strategy()),
+                                             options.wrap().to_string(), mesh.replicas)};
   for (const auto& plan : plans) {
     lines.push_back(fmt::format("unit {}: {}", plan.name, fmt::join(plan.param_names, ", ")));
   }
   buffers = BufferSync(set_up_replica(comm(), who, *module, lines), options.broadcast_buffers());
-  std::vector<std::string> names;
-  for (size_t u = 0; u < plans.size(); ++u) {
-    flats.push_back(std::make_unique<FlatParam>(plans[u], world->rank(), size(), sharded(),
-                                                options.mixed_precision()));
-    flat_views.push_back(flats.back().get());
-    if (plans[u].is_root) root = static_cast<int64_t>(u);
-    unit_index[plans[u].name] = u;
-    names.push_back(plans[u].name);
-  }
-  progress.resize(flats.size());
-  order = std::make_unique<OrderCheck>(names, options.order_checking());
+  make_flats();
   install_hooks();
   std::weak_ptr<ShardedUnits> weak = self;
   slots = std::make_unique<UnitSlots>(plans, [weak](size_t u, const std::function<torch::Tensor()>& body) {
@@ -375,6 +389,22 @@ void ShardedUnits::build(const std::string& who) {
   });
   free_all();  // parameters are gathered when a forward needs them
   sample_memory();
+}
+
+// Each unit's flat parameter, sharded over the shard group (the world unless hybrid).
+void ShardedUnits::make_flats() {
+  std::vector<std::string> names;
+  for (size_t u = 0; u < plans.size(); ++u) {
+    flats.push_back(std::make_unique<FlatParam>(plans[u], group().rank(), group().size(), sharded(),
+                                                options.mixed_precision()));
+    if (hybrid()) flats.back()->defer_to_replicas();
+    flat_views.push_back(flats.back().get());
+    if (plans[u].is_root) root = static_cast<int64_t>(u);
+    unit_index[plans[u].name] = u;
+    names.push_back(plans[u].name);
+  }
+  progress.resize(flats.size());
+  order = std::make_unique<OrderCheck>(names, options.order_checking());
 }
 
 // After flattening: set_data with a new dtype replaces a parameter's gradient accumulator.

@@ -18,6 +18,7 @@
 #include "engine/replica.h"
 #include "gradsync/fsdp.h"
 #include "gradsync/stats.h"
+#include "runtime/mesh.h"
 #include "shard/flat_param.h"
 #include "shard/order_check.h"
 #include "shard/unit_slots.h"
@@ -45,6 +46,7 @@ class ShardedUnits {
   std::shared_ptr<torch::nn::Module> module;
   std::shared_ptr<World> world;
   FsdpOptions options;
+  Mesh mesh;  // hybrid strategies: the shard and replica groups; otherwise empty (units span the world)
   std::weak_ptr<ShardedUnits> self;
   std::vector<UnitPlan> plans;
   std::vector<std::unique_ptr<FlatParam>> flats;
@@ -62,6 +64,8 @@ class ShardedUnits {
 
   bool require_backward_sync = true;
   bool backward_sync = false;  // decided at forward time, used by the coming backward
+  bool requires_all_reduce = true;  // hybrid: FullyShardedDataParallel::set_requires_all_reduce
+  bool replica_sync = false;   // hybrid: the coming backward all-reduces across replicas (decided at forward time)
   bool callback_queued = false;
   bool in_forward = false;
   // A forward with grad has run and its backward has not (Note [A forward without grad before a backward]).
@@ -78,8 +82,12 @@ class ShardedUnits {
   std::deque<size_t> reductions_in_flight;          // started in backward, oldest first
 
   Collectives& comm() { return world->comm(); }
+  // What a unit's parameters are sharded over and its all-gathers and reduce-scatters span: the shard group under
+  // a hybrid strategy, the world otherwise.
+  Collectives& group() { return mesh.shard ? *mesh.shard : comm(); }
   int size() const { return world->size(); }
   bool sharded() const { return options.strategy() != ShardingStrategy::NoShard; }
+  bool hybrid() const { return is_hybrid(options.strategy()); }
   bool is_root(size_t u) const { return static_cast<int64_t>(u) == root; }
 
   // Model and plan checked on every rank, rank 0's values everywhere, units flattened, hooks installed.
@@ -127,7 +135,9 @@ class ShardedUnits {
   void start_backward();
   void post_backward(size_t u);
   void finalize_backward();
+  void reduce_across_replicas();
   void end_synced_backward();
+  void make_flats();
   void install_hooks();
 };
 

@@ -12,7 +12,7 @@
 #include "engine/replica.h"
 #include "gradsync/error.h"
 #include "shard/flat_param.h"
-#include "shard/full_optim_state.h"
+#include "engine/full_optim_state.h"
 #include "shard/full_state.h"
 #include "shard/sharded_checkpoint.h"
 #include "shard/wrap_policy.h"
@@ -205,7 +205,7 @@ void Zero1DataParallel::track_optimizer(const torch::optim::Optimizer* optimizer
 StateDict Zero1DataParallel::state_dict(bool rank0_only) {
   auto& s = *shard_;
   s.regather_if_pending();
-  return full_state_dict(s.comm(), *s.module, s.flats, s.buffers.buffers(), !rank0_only, /*gather=*/false);
+  return full_state_dict(s.comm(), s.comm(), *s.module, s.flats, s.buffers.buffers(), !rank0_only, /*gather=*/false);
 }
 
 StateDict Zero1DataParallel::full_gradients() {
@@ -215,7 +215,7 @@ StateDict Zero1DataParallel::full_gradients() {
 
 c10::IValue Zero1DataParallel::full_optim_state_dict(const torch::optim::Optimizer& optimizer, bool rank0_only) {
   auto& s = *shard_;
-  return sharded_optim_state_value(s.comm(), s.flats, optimizer, rank0_only);
+  return sharded_optim_state_value(s.comm(), s.comm(), s.flats, optimizer, rank0_only);
 }
 
 void Zero1DataParallel::load_full_optim_state_dict(torch::optim::Optimizer& optimizer, const c10::IValue& state) {

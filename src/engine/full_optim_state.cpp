@@ -1,5 +1,5 @@
 // The full optimizer state dict (see full_optim_state.h).
-#include "shard/full_optim_state.h"
+#include "engine/full_optim_state.h"
 
 #include <algorithm>
 
@@ -141,7 +141,8 @@ std::map<std::string, ParamState> optim_states_of(const c10::IValue& value) {
   return out;
 }
 
-std::vector<NamedParamState> gather_optim_states(Collectives& comm, const std::vector<FlatParam*>& flats,
+std::vector<NamedParamState> gather_optim_states(Collectives& comm, Collectives& shards,
+                                                 const std::vector<FlatParam*>& flats,
                                                  const optim::Optimizer& optimizer) {
   std::vector<NamedParamState> out;
   for (const auto* flat : flats) {
@@ -149,7 +150,7 @@ std::vector<NamedParamState> gather_optim_states(Collectives& comm, const std::v
     // The same state names and step on every rank, or the all-gathers below would pair different tensors.
     check_same_on_every_rank(comm, fmt::format("full_optim_state_dict: unit '{}'", flat->name()), {describe(mine)});
     std::vector<torch::Tensor> whole;
-    for (const auto& [name, tensor] : mine.tensors) whole.push_back(flat->gather_shards(comm, tensor.reshape({-1})));
+    for (const auto& [name, tensor] : mine.tensors) whole.push_back(flat->gather_shards(shards, tensor.reshape({-1})));
     for (const auto& e : flat->entries()) {
       NamedParamState s{e.name, {}};
       if (!mine.empty()) s.state.step = mine.step;
@@ -211,9 +212,9 @@ void require_optimizer_over_shards(const std::string& who, const optim::Optimize
   }
 }
 
-c10::IValue sharded_optim_state_value(Collectives& comm, const std::vector<FlatParam*>& flats,
+c10::IValue sharded_optim_state_value(Collectives& comm, Collectives& shards, const std::vector<FlatParam*>& flats,
                                       const optim::Optimizer& optimizer, bool rank0_only) {
-  const auto states = gather_optim_states(comm, flats, optimizer);
+  const auto states = gather_optim_states(comm, shards, flats, optimizer);
   if (rank0_only && comm.rank() != 0) return string_dict();
   return optim_state_value(states, optimizer, stepped_names(flats));
 }

@@ -37,9 +37,10 @@ c10::IValue optim_state_value(const std::vector<NamedParamState>& states, const 
 // The "state" entries of such a dict by parameter name; ConfigError naming what is malformed.
 std::map<std::string, ParamState> optim_states_of(const c10::IValue& value);
 
-// Collective: every flat parameter's state, whole (see above). DistributedError when ranks keep different state
-// names for a unit.
-std::vector<NamedParamState> gather_optim_states(Collectives& comm, const std::vector<FlatParam*>& flats,
+// Collective: every flat parameter's state, whole (see above), gathered over `shards` (the world, or a hybrid
+// strategy's shard group). DistributedError when the ranks of `comm` keep different state names for a unit.
+std::vector<NamedParamState> gather_optim_states(Collectives& comm, Collectives& shards,
+                                                 const std::vector<FlatParam*>& flats,
                                                  const torch::optim::Optimizer& optimizer);
 // This rank's part of each whole state into the shards or pieces the optimizer steps (no communication).
 void scatter_optim_states(const std::vector<FlatParam*>& flats, torch::optim::Optimizer& optimizer,
@@ -53,7 +54,7 @@ void require_optimizer_over_shards(const std::string& who, const torch::optim::O
                                    const std::vector<FlatParam*>& flats);
 
 // Collective: gather_optim_states() as the layout above, on every rank or (rank0_only) rank 0, else an empty dict.
-c10::IValue sharded_optim_state_value(Collectives& comm, const std::vector<FlatParam*>& flats,
+c10::IValue sharded_optim_state_value(Collectives& comm, Collectives& shards, const std::vector<FlatParam*>& flats,
                                       const torch::optim::Optimizer& optimizer, bool rank0_only);
 
 }  // namespace gradsync
