@@ -1,10 +1,12 @@
 // Collectives at world sizes 1-4 with inputs that tell sum, mean and "no reduction happened" apart: rank r
 // contributes 2^r, so the sum is 2^N-1, the mean (2^N-1)/N, and an unreduced value 2^r differs from both for
 // every N >= 2.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "gradsync/runtime.h"
@@ -120,6 +122,80 @@ TEST_P(Collectives, SumMeanBroadcastGatherScatterAreExact) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, testing::Values(1, 2, 3, 4));
+
+namespace {
+
+// A sub-group's collectives over its members only: member world rank q contributes 2^q, so the group's sum is the
+// sum of its members' powers and differs from the world's and from any other group's.
+void check_group(gradsync::Collectives& g, const std::vector<int>& expected_members, int world_rank) {
+  WORKER_CHECK(g.world_ranks() == expected_members, "members {} expected {}", fmt::join(g.world_ranks(), ","),
+               fmt::join(expected_members, ","));
+  const int index = static_cast<int>(std::find(expected_members.begin(), expected_members.end(), world_rank) -
+                                     expected_members.begin());
+  WORKER_CHECK(g.rank() == index && g.size() == static_cast<int>(expected_members.size()), "rank {} of {} in {}",
+               g.rank(), g.size(), fmt::join(expected_members, ","));
+  double sum = 0;
+  for (int q : expected_members) sum += pow2(q);
+  auto a = torch::full({300}, pow2(world_rank));
+  g.allreduce(a, Reduction::Sum);
+  expect_all(a, sum, "group allreduce sum");
+  auto m = torch::full({300}, pow2(world_rank));
+  g.allreduce(m, Reduction::Mean);
+  expect_all(m, sum / g.size(), "group allreduce mean", 1e-6);
+  auto gathered = torch::empty({g.size() * 2});
+  g.allgather_flat(torch::full({2}, pow2(world_rank)), gathered);
+  for (int i = 0; i < g.size(); ++i) {
+    expect_all(gathered.narrow(0, i * 2, 2), pow2(expected_members[static_cast<size_t>(i)]), "group allgather chunk");
+  }
+  auto input = torch::empty({g.size() * 3});  // chunk j holds (j+1) 2^q: member j receives (j+1) * sum
+  for (int j = 0; j < g.size(); ++j) input.narrow(0, j * 3, 3).fill_((j + 1) * pow2(world_rank));
+  auto out = torch::empty({3});
+  g.reduce_scatter(input, out, Reduction::Sum);
+  expect_all(out, (g.rank() + 1) * sum, "group reduce_scatter sum");
+  auto b = torch::full({4}, pow2(world_rank));
+  g.broadcast(b, g.size() - 1);
+  expect_all(b, pow2(expected_members.back()), "group broadcast from its last member");
+}
+
+}  // namespace
+
+// The world split by parity, members ordered by a key that reverses world order; each half split again into
+// singletons and pairs; the world's own collectives keep working in between (each group its own channel).
+GRADSYNC_WORKER(split_groups) {
+  auto world = gradsync::init({std::chrono::seconds(30), std::nullopt, std::nullopt});
+  auto& comm = world->comm();
+  const int r = world->rank(), n = world->size();
+  auto half = comm.split(r % 2, n - r, "parity");
+  std::vector<int> members;
+  for (int q = n - 1; q >= 0; --q) {
+    if (q % 2 == r % 2) members.push_back(q);
+  }
+  check_group(*half, members, r);
+  auto w = torch::full({5}, pow2(r));
+  comm.allreduce(w, Reduction::Sum);
+  expect_all(w, pow2(n) - 1, "world allreduce between splits");
+  auto quarter = half->split(r / 2, r, "pair");  // by key r: ascending world rank inside each half
+  std::vector<int> inner;
+  for (int q = 0; q < n; ++q) {
+    if (q % 2 == r % 2 && q / 2 == r / 2) inner.push_back(q);
+  }
+  check_group(*quarter, inner, r);
+  check_group(*half, members, r);  // the outer group still works after its own split
+  comm.barrier();
+  fmt::print("split ok on rank {} of {} ({})\n", r, n, gradsync::to_string(world->backend()));
+  return 0;
+}
+
+TEST_P(Collectives, SplitGroupsReduceOverTheirMembersOnly) {
+  const int n = GetParam();
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(n, t::worker_argv("split_groups"), opts);
+  for (const auto& r : results) {
+    ASSERT_TRUE(r.ok()) << r.describe();
+    EXPECT_NE(r.out.find("split ok"), std::string::npos);
+  }
+}
 
 // The in-place sum of shared slots, its ranks played one after another in one process: 3 slots, a length that is
 // no multiple of the shares' cache-line cut, an offset into the slots, slot k holding k + 1 + i / 1000 at element i
@@ -250,6 +326,30 @@ void expect_survivors_fail_fast(int world_size, const std::vector<std::string>& 
 }  // namespace
 
 TEST(Collectives, PeerExitFailsSurvivorsFastNamingTheirRankAndOperation) { expect_survivors_fail_fast(3, {}); }
+
+// Four ranks split by parity (members in reverse world order); world rank 3 exits: its partner's group allreduce
+// fails at once, naming its world rank, its place in the group and the group's members.
+GRADSYNC_WORKER(dies_in_group) {
+  auto world = gradsync::init({std::chrono::seconds(20), std::nullopt, std::nullopt});
+  const int r = world->rank();
+  auto half = world->comm().split(r % 2, world->size() - r, "parity");
+  if (r == 3) std::_Exit(7);
+  auto a = torch::ones({10});
+  half->allreduce(a, Reduction::Sum);
+  return 0;
+}
+
+TEST(Collectives, PeerExitInASubGroupNamesWorldRankAndGroup) {
+  t::CommandOptions opts;
+  opts.timeout = std::chrono::seconds(60);
+  auto results = t::run_ranks(4, t::worker_argv("dies_in_group"), opts);
+  EXPECT_EQ(results[3].exit_code, 7);
+  const auto& partner = results[1];
+  EXPECT_FALSE(partner.ok());
+  EXPECT_FALSE(partner.timed_out) << partner.describe();
+  EXPECT_NE(partner.err.find("rank 1 (1 of 2 in the parity group of world ranks 3,1): allreduce #"),
+            std::string::npos) << partner.describe();
+}
 
 TEST(Collectives, PeerExitFailsTheOtherRankFastInALargeTwoRankAllreduce) {
   expect_survivors_fail_fast(2, {std::to_string(4 << 20)});

@@ -194,7 +194,7 @@ TEST(GlobalMean, TrainMatchesPyTorchOnTheSameGlobalBatches) {
   }
 }
 
-// The sharded strategies with global-mean and no padding: 90 samples over 4 ranks leave 23/23/22/22 per epoch, so
+// The sharded strategies (hybrid ones included) with global-mean and no padding: 90 samples over 4 ranks leave 23/23/22/22 per epoch, so
 // with K = 3 micro-batches of 2 the last step of each epoch has ranks running 3 and 2 micro-batches (FSDP adds a
 // shadow micro-step to the shorter ones). Every strategy must end where PyTorch's one process on the same global
 // batches ends, on res (units: its Blocks) and on an MLP, and --verify-every must pass every step.
@@ -209,12 +209,18 @@ TEST(GlobalMean, EveryShardedStrategyWithUnevenRanksMatchesOneProcessOnTheUnion)
     py.insert(py.end(), {"--ranks", "4", "--save-state", dir + "/pytorch.pt"});
     auto ref = t::run(py, cli());
     ASSERT_TRUE(ref.ok()) << ref.describe();
-    for (const char* strategy : {"fsdp-full", "fsdp-grad-op", "zero1"}) {
+    // Hybrid: 1/T before the shard group's reduce-scatter, then the shards summed across the replicas.
+    const std::vector<std::vector<std::string>> strategies{{"fsdp-full"}, {"fsdp-grad-op"}, {"zero1"},
+                                                           {"hsdp", "--replicas", "2"},
+                                                           {"hsdp-grad-op", "--replicas", "4"}};
+    for (const auto& with : strategies) {
+      const std::string strategy = with[0];
       const std::string out = dir + "/" + strategy + ".pt";
       std::vector<std::string> ours{GRADSYNC_BIN, "train", "--world-size", "4", "--strategy", strategy,
                                     "--reduction", "global-mean", "--verify-every", "1", "--save-state", out,
                                     "--quiet"};
-      if (std::string(strategy) != "zero1") ours.insert(ours.end(), {"--wrap", "children"});  // several units
+      ours.insert(ours.end(), with.begin() + 1, with.end());
+      if (strategy != "zero1") ours.insert(ours.end(), {"--wrap", "children"});  // several units
       ours.insert(ours.end(), common.begin(), common.end());
       auto r = t::run(ours, cli());
       ASSERT_TRUE(r.ok()) << model << " " << strategy << ": " << r.describe();

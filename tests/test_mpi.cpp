@@ -69,6 +69,15 @@ TEST_P(MpiCollectives, SumMeanBroadcastGatherScatterAreExact) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, MpiCollectives, testing::Values(1, 2, 3, 4));
 
+// The split worker of test_collectives.cpp: MPI_Comm_split groups, nested, reduce over their members only.
+TEST(MpiCollectives, SplitGroupsReduceOverTheirMembersOnly) {
+  for (int n : {3, 4}) {
+    auto r = t::run_mpi_ranks(n, t::worker_argv("split_groups"), within(60));
+    ASSERT_TRUE(r.ok()) << r.describe();
+    EXPECT_NE(r.out.find(fmt::format("split ok on rank {} of {} (mpi)", n - 1, n)), std::string::npos) << r.out;
+  }
+}
+
 // GRADSYNC_MPI_SHARED_BUCKETS=off on one rank only (rank 1 sets it before init()): every rank must agree on plain
 // memory for reduction buffers (the worker checks where they live) and get the same sums; a value that is neither
 // on nor off is refused, naming it.

@@ -86,7 +86,10 @@ std::vector<std::string> config_flags(const Config& c, int64_t steps, const std:
                              std::to_string(steps), "--optimizer", c.optimizer};
   if (c.strategy != "local") f = plus(f, {"--world-size", std::to_string(c.world)});
   if (c.optimizer == "sgd") f = plus(f, {"--momentum", "0.9"});
-  if (c.strategy.rfind("fsdp", 0) == 0) f = plus(f, {"--wrap", "children"});  // several units, each checkpointed
+  if (c.strategy.rfind("fsdp", 0) == 0 || c.strategy.rfind("hsdp", 0) == 0) {
+    f = plus(f, {"--wrap", "children"});  // several units, each checkpointed
+  }
+  if (c.strategy.rfind("hsdp", 0) == 0 && c.world > 1) f = plus(f, {"--replicas", "2"});
   return f;
 }
 
@@ -99,7 +102,8 @@ TEST(FaultsResume, EveryStrategyCrashedAtARandomStepResumesBitForBit) {
   std::mt19937 random(7);
   const std::vector<Config> configs{{"ddp", 3, "sgd", 2},          {"fsdp-full", 4, "adam", 3},
                                     {"fsdp-grad-op", 2, "adam", 1}, {"fsdp-no-shard", 3, "sgd", 2},
-                                    {"zero1", 3, "adam", 2},        {"local", 1, "adam", 2}};
+                                    {"zero1", 3, "adam", 2},        {"local", 1, "adam", 2},
+                                    {"hsdp", 4, "sgd", 3}};
   int exact = 0, clean = 0;
   for (const auto& c : configs) {
     const int64_t steps = 11, crash = 1 + static_cast<int64_t>(random() % 10), every = 1 + random() % 3;
@@ -216,6 +220,38 @@ TEST(FaultsResume, ACheckpointOfNRanksLoadsAtMRanksUnderAnyStrategy) {
   const auto a = gradsync::load_state_dict(dir + "/ref.pt"), b = gradsync::load_state_dict(dir + "/three.pt");
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_LT((a[i].second - b[i].second).abs().max().item<double>(), 1e-5) << a[i].first;
+  }
+  fs::remove_all(dir);
+}
+
+// A checkpoint saved under hsdp (2 replicas of 2) holds the whole model and optimizer state: it resumes bit for bit
+// under hsdp, and to rounding under fsdp-full, ddp and hsdp-grad-op at another world size (2 replicas of 1).
+TEST(FaultsResume, AnHsdpCheckpointResumesUnderHsdpFsdpDdpAndAnotherWorldSize) {
+  const auto dir = t::make_temp_dir("gradsync-hsdp-resume-");
+  const Config hsdp{"hsdp", 4, "adam", 3};
+  const std::string data = "synthetic:96";
+  ASSERT_TRUE(train(plus(config_flags(hsdp, 8, data), {"--save-state", dir + "/ref.pt"})).ok());
+  const auto first = train(plus(config_flags(hsdp, 4, data), {"--checkpoint-dir", dir + "/ck"}));
+  ASSERT_TRUE(first.ok()) << first.describe();
+  for (const Config& c : {hsdp, Config{"fsdp-full", 4, "adam", 3}, Config{"ddp", 4, "adam", 3},
+                          Config{"hsdp-grad-op", 2, "adam", 3}}) {
+    SCOPED_TRACE(fmt::format("resumed under {} at N = {}", c.strategy, c.world));
+    const std::string ck = dir + "/ck-" + c.strategy;
+    fs::copy(dir + "/ck", ck, fs::copy_options::recursive);
+    const std::string out = dir + "/" + c.strategy + ".pt";
+    const auto resumed = train(plus(config_flags(c, 8, data), {"--checkpoint-dir", ck, "--resume", "--save-state", out,
+                                                               "--log", out + ".log"}));
+    ASSERT_TRUE(resumed.ok()) << resumed.describe();
+    EXPECT_EQ(steps_of(out + ".log").size(), 4u) << "steps 5 to 8 only: the run resumed";
+    if (c.strategy == "hsdp") {
+      EXPECT_EQ(bit_difference(dir + "/ref.pt", out), "");
+      continue;
+    }
+    const auto a = gradsync::load_state_dict(dir + "/ref.pt"), b = gradsync::load_state_dict(out);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_LT((a[i].second - b[i].second).abs().max().item<double>(), 1e-5) << a[i].first;
+    }
   }
   fs::remove_all(dir);
 }

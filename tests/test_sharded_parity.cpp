@@ -1,9 +1,10 @@
 // Parity of the sharded strategies with real PyTorch DDP: `gradsync train --strategy fsdp-full|fsdp-grad-op|
-// fsdp-no-shard|zero1` and tests/reference/torch_train.py --strategy ddp (python3-torch, gloo, DistributedDataParallel)
+// fsdp-no-shard|hsdp|hsdp-grad-op|zero1` and tests/reference/torch_train.py --strategy ddp (python3-torch, gloo, DistributedDataParallel)
 // start from the same initial state and data file; every strategy must end with the same parameters (<= 1e-5
 // relative per tensor, compare_states.py), the same per-step losses and the same optimizer state keyed by parameter
 // names (compare_optim_states.py). The reference runs once per configuration, the comparisons in one process.
 // Sharded strategies sum in another order than PyTorch's allreduce, so equality is within rounding, not bitwise.
+#include <algorithm>
 #include <fstream>
 
 #include <gtest/gtest.h>
@@ -49,6 +50,18 @@ std::string tag_of(const std::vector<std::string>& strategy) {
   return tag;
 }
 
+// The run's per-step losses and sample counts are the reference's.
+void check_losses(const std::string& tag, const std::string& dir, const std::vector<nlohmann::json>& reference_log) {
+  auto log = read_log(dir + "/" + tag + ".jsonl");
+  ASSERT_EQ(log.size(), reference_log.size()) << tag;
+  for (size_t i = 0; i < log.size(); ++i) {
+    EXPECT_EQ(log[i]["samples"], reference_log[i]["samples"]) << tag << " step " << i;
+    const double a = log[i]["loss"], b = reference_log[i]["loss"];
+    EXPECT_NEAR(a, b, 1e-5 * std::max(1.0, std::abs(b))) << tag << " step " << i;
+    EXPECT_TRUE(log[i].contains("memory_peak") && log[i].contains("sent_bytes")) << log[i].dump();
+  }
+}
+
 // gradsync with one strategy on one backend against the PyTorch run in `dir`: its losses here, its states by the
 // two comparisons it appends to `checks`, named in `what` (run for every strategy at once, after the last).
 void check_strategy(const ShardedParityCase& c, const std::string& dir, const std::vector<std::string>& strategy,
@@ -63,21 +76,20 @@ void check_strategy(const ShardedParityCase& c, const std::string& dir, const st
   auto ours = t::run(cpp, options());
   ASSERT_TRUE(ours.ok()) << tag << ": " << ours.describe();
   EXPECT_NE(ours.out.find("memory per rank"), std::string::npos) << ours.out;
+  if (strategy[1].rfind("hsdp", 0) == 0) {  // hybrid: the traffic inside a shard group and across replicas
+    EXPECT_NE(ours.out.find("inside its shard group"), std::string::npos) << ours.out;
+  }
 
   what.push_back(tag);
   checks.push_back({"states", {dir + "/" + tag + ".pt", dir + "/pytorch.pt", "--rtol", "1e-5"}});
-  // The optimizer's state, gathered and keyed by parameter names, is PyTorch's (FSDP.full_optim_state_dict's layout).
-  what.push_back(tag + " optimizer");
-  checks.push_back({"optim", {dir + "/" + tag + ".optim.pt", dir + "/pytorch.optim.pt", "--rtol", "1e-5"}});
-
-  auto log = read_log(dir + "/" + tag + ".jsonl");
-  ASSERT_EQ(log.size(), reference_log.size()) << tag;
-  for (size_t i = 0; i < log.size(); ++i) {
-    EXPECT_EQ(log[i]["samples"], reference_log[i]["samples"]) << tag << " step " << i;
-    const double a = log[i]["loss"], b = reference_log[i]["loss"];
-    EXPECT_NEAR(a, b, 1e-5 * std::max(1.0, std::abs(b))) << tag << " step " << i;
-    EXPECT_TRUE(log[i].contains("memory_peak") && log[i].contains("sent_bytes")) << log[i].dump();
+  // A Sum run's momentum buffers are N times DDP's mean ones (its lr N times smaller): only its states compare.
+  if (std::find(strategy.begin(), strategy.end(), "sum") == strategy.end()) {
+    // The optimizer's state, gathered and keyed by parameter names, is PyTorch's (FSDP.full_optim_state_dict's
+    // layout).
+    what.push_back(tag + " optimizer");
+    checks.push_back({"optim", {dir + "/" + tag + ".optim.pt", dir + "/pytorch.optim.pt", "--rtol", "1e-5"}});
   }
+  check_losses(tag, dir, reference_log);
 }
 
 }  // namespace
@@ -166,4 +178,30 @@ INSTANTIATE_TEST_SUITE_P(
                           {{"--strategy", "fsdp-full", "--wrap", "type:Block"},
                            {"--strategy", "fsdp-grad-op", "--wrap", "list:blocks.0,blocks.1"},
                            {"--strategy", "zero1"}}}),
+    [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });
+
+// Hybrid sharding: R replicas of S-rank shard groups (rank = replica x S + shard index) end where PyTorch DDP over
+// all N ranks ends, whatever R (1: fsdp-full, N: every rank a replica), in both accumulation modes. Sum reduction
+// with lr / N is DDP's mean with lr under SGD with momentum (the momentum buffer scales with the gradient).
+INSTANTIATE_TEST_SUITE_P(
+    Hybrid, ShardedParity,
+    testing::Values(
+        ShardedParityCase{"N4_K2_hsdp_mlp_sgd", "mlp:10-13-7-3", "ce", 100, 4, 2, 24,
+                          {"--momentum", "0.9", "--steps", "7"},
+                          {{"--strategy", "hsdp", "--replicas", "2"},
+                           {"--strategy", "hsdp", "--replicas", "2", "--accumulate-grads", "sharded", "--wrap",
+                            "params:150"},
+                           {"--strategy", "hsdp-grad-op", "--replicas", "4", "--wrap", "children"},
+                           {"--strategy", "hsdp", "--replicas", "2", "--reduction", "sum", "--lr", "0.0025"}}},
+        ShardedParityCase{"N3_K3_hsdp_res_adam", "res:9-11-3-5", "ce", 100, 3, 3, 18,
+                          {"--optimizer", "adam", "--steps", "6"},
+                          {{"--strategy", "hsdp", "--replicas", "3", "--wrap", "children"},
+                           {"--strategy", "hsdp-grad-op", "--replicas", "3", "--accumulate-grads", "sharded", "--wrap",
+                            "type:Block"},
+                           {"--strategy", "hsdp", "--replicas", "1", "--wrap", "children"}}},
+        ShardedParityCase{"N4_K2_hsdp_batchnorm_sgd", "mlp-bn:10-16-4", "ce", 96, 4, 2, 24,
+                          {"--momentum", "0.5", "--weight-decay", "0.01", "--steps", "6", "--no-shuffle"},
+                          {{"--strategy", "hsdp", "--replicas", "2", "--wrap", "children"},
+                           {"--strategy", "hsdp-grad-op", "--replicas", "2", "--accumulate-grads", "sharded",
+                            "--wrap", "list:0,3"}}}),
     [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });

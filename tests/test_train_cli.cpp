@@ -75,7 +75,16 @@ TEST(TrainCli, BadFlagsAreRejectedWithTheValueAndWhatIsAllowed) {
   expect_error(with({"--global-batch", "16", "--freeze", "9."}), "--freeze 9.: no parameter name starts with it");
   expect_error(with({"--global-batch", "16", "--freeze", "0.,2."}), "every parameter would be frozen");
   expect_error(with({"--global-batch", "16", "--strategy", "ddp", "--wrap", "type:Linear"}),
-               "--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, not ddp");
+               "--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp, hsdp-grad-op or zero1, not ddp");
+  // Hybrid sharding: R must divide N, and only the hybrid strategies take it.
+  expect_error(with({"--global-batch", "16", "--strategy", "hsdp", "--world-size", "4", "--replicas", "3"}),
+               "--replicas 3 does not divide the world size 4: hybrid sharding needs N = R x S");
+  expect_error(with({"--global-batch", "16", "--strategy", "fsdp-full", "--world-size", "4", "--replicas", "2"}),
+               "--replicas applies to --strategy hsdp or hsdp-grad-op, not fsdp-full");
+  expect_error(with({"--global-batch", "16", "--strategy", "ddp", "--shard-across-hosts"}),
+               "--shard-across-hosts applies to --strategy hsdp or hsdp-grad-op, not ddp");
+  expect_error(with({"--global-batch", "16", "--strategy", "hsdp", "--replicas", "0"}),
+               "--replicas: Value 0 not in range 1 to 1024");
   expect_error(with({"--global-batch", "16", "--strategy", "fsdp-full", "--verify-every", "1", "--reduce-dtype",
                      "bf16"}), "cannot check a run with --reduce-dtype bf16");
   expect_error(with({"--global-batch", "16", "--strategy", "fsdp-full", "--reduction", "global-mean",

@@ -22,6 +22,8 @@ ShardingStrategy sharding_of(Strategy strategy) {
   switch (strategy) {
     case Strategy::FsdpFull: return ShardingStrategy::FullShard;
     case Strategy::FsdpGradOp: return ShardingStrategy::ShardGradOp;
+    case Strategy::Hsdp: return ShardingStrategy::HybridShard;
+    case Strategy::HsdpGradOp: return ShardingStrategy::HybridShardGradOp;
     default: return ShardingStrategy::NoShard;
   }
 }
@@ -38,6 +40,7 @@ FsdpOptions fsdp_options(const TrainConfig& c) {
   o.accumulation(c.accumulate_grads == "sharded" ? ShardedAccumulation::ReduceEveryMicroStep
                                                    : ShardedAccumulation::UnshardedGradients);
   o.prefetch(!c.no_prefetch);
+  o.replicas(c.replicas).shard_across_hosts(c.shard_across_hosts);
   return o;
 }
 
@@ -50,17 +53,24 @@ ZeroOptions zero_options(const TrainConfig& c) {
 void check_fsdp_only_flags(const TrainConfig& c) {
   auto fsdp_only = [&](bool given, const std::string& flag) {
     if (given && !is_fsdp(c.strategy)) {
-      throw ConfigError(fmt::format("{} applies to --strategy fsdp-full, fsdp-grad-op or fsdp-no-shard, not {}", flag,
-                                    to_string(c.strategy)));
+      throw ConfigError(fmt::format("{} applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp or "
+                                    "hsdp-grad-op, not {}", flag, to_string(c.strategy)));
     }
   };
   if (!c.wrap.empty() && !is_sharded(c.strategy)) {
-    throw ConfigError(fmt::format("--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, not "
-                                  "{}", to_string(c.strategy)));
+    throw ConfigError(fmt::format("--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard, hsdp, "
+                                  "hsdp-grad-op or zero1, not {}", to_string(c.strategy)));
   }
   fsdp_only(!c.param_dtype.empty(), "--param-dtype");
   fsdp_only(!c.reduce_dtype.empty(), "--reduce-dtype");
   fsdp_only(c.accumulate_grads != "full", "--accumulate-grads");
+  for (const auto& [given, flag] : {std::pair{c.replicas != 0, "--replicas"},
+                                    std::pair{c.shard_across_hosts, "--shard-across-hosts"}}) {
+    if (given && !is_hybrid(c.strategy)) {
+      throw ConfigError(fmt::format("{} applies to --strategy hsdp or hsdp-grad-op, not {}", flag,
+                                    to_string(c.strategy)));
+    }
+  }
 }
 
 // One of comm_hook_names() but "none" (checked by CLI11 and validate_sharding_flags).
@@ -77,8 +87,12 @@ const std::vector<std::string>& comm_hook_names() {
   return names;
 }
 
-void validate_sharding_flags(const TrainConfig& c) {
+void validate_sharding_flags(const TrainConfig& c, int world_size) {
   check_fsdp_only_flags(c);
+  if (c.replicas > 0 && world_size > 0 && world_size % c.replicas != 0) {
+    throw ConfigError(fmt::format("--replicas {} does not divide the world size {}: hybrid sharding needs N = R x S "
+                                  "(rank = replica x S + shard index)", c.replicas, world_size));
+  }
   if (c.comm_hook != "none" && c.strategy != Strategy::Ddp) {
     throw ConfigError(fmt::format("--comm-hook {} applies to --strategy ddp only (a hook reduces DDP's buckets), "
                                   "not {}", c.comm_hook, to_string(c.strategy)));
@@ -122,6 +136,11 @@ std::unique_ptr<Engine> make_engine(const TrainConfig& c, const Model& model,
     case Strategy::Zero1: return std::make_unique<Zero1DataParallel>(model, world, zero_options(c));
     default: return std::make_unique<FullyShardedDataParallel>(model, world, fsdp_options(c));
   }
+}
+
+int replicas_of(const TrainConfig& c, const std::shared_ptr<World>& world) {
+  if (!is_hybrid(c.strategy) || !world) return 0;
+  return c.replicas > 0 ? c.replicas : world->size() / std::max(world->local_size(), 1);
 }
 
 std::string describe_engine(const TrainConfig& c, Engine& engine) {

@@ -8,6 +8,7 @@ const std::map<std::string, Strategy>& strategy_names() {
       {"local", Strategy::Local},          {"ddp", Strategy::Ddp},
       {"fsdp-full", Strategy::FsdpFull},   {"fsdp-grad-op", Strategy::FsdpGradOp},
       {"fsdp-no-shard", Strategy::FsdpNoShard}, {"zero1", Strategy::Zero1},
+      {"hsdp", Strategy::Hsdp},            {"hsdp-grad-op", Strategy::HsdpGradOp},
   };
   return names;
 }
@@ -19,7 +20,10 @@ std::string to_string(Strategy strategy) {
   return "?";
 }
 
-bool is_fsdp(Strategy s) { return s == Strategy::FsdpFull || s == Strategy::FsdpGradOp || s == Strategy::FsdpNoShard; }
+bool is_hybrid(Strategy s) { return s == Strategy::Hsdp || s == Strategy::HsdpGradOp; }
+bool is_fsdp(Strategy s) {
+  return s == Strategy::FsdpFull || s == Strategy::FsdpGradOp || s == Strategy::FsdpNoShard || is_hybrid(s);
+}
 bool is_sharded(Strategy s) { return is_fsdp(s) || s == Strategy::Zero1; }
 bool holds_replicas(Strategy s) { return s == Strategy::Ddp || s == Strategy::FsdpNoShard; }
 

@@ -112,7 +112,7 @@ void validate(const TrainConfig& c, int world_size) {
   parse_flag("--loss", c.loss, parse_loss_kind);
   parse_flag("--reduction", c.reduction, parse_reduction);
   check_model_data(c);
-  validate_sharding_flags(c);
+  validate_sharding_flags(c, world_size);
   if (c.strategy == Strategy::Local && world_size > 1) {
     throw ConfigError(fmt::format("--strategy local runs one process, but the world size is {}; use --strategy "
                                   "ddp or drop --world-size", world_size));
@@ -227,6 +227,8 @@ void report_accuracy(const TrainConfig& c, Run& run, int64_t epoch, StepRecord& 
 void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records,
             const std::shared_ptr<World>& world) {
   const int rank = world ? world->rank() : 0;
+  const ResourceReport report{to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), run.model_bytes,
+                              run.engine->traffic(), static_cast<int64_t>(records.size()), replicas_of(c, world)};
   if (!c.save_state.empty()) {
     auto full = run.engine->state_dict(/*rank0_only=*/true);  // a collective for sharded engines
     if (rank == 0) save_state_dict(full, c.save_state);
@@ -238,8 +240,7 @@ void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& recor
   print_sample(c, *run.engine, world);  // a collective for sharded engines
   if (reports_resources(c) && !c.quiet) {
     if (is_sharded(c.strategy) && rank == 0) fmt::print("gradsync train: {}\n", describe_engine(c, *run.engine));
-    print_resource_report(to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), run.model_bytes,
-                          world);
+    print_resource_report(report, world);
   }
   if (world && world->size() > 1) world->comm().barrier();  // no rank exits while another still needs it
 }

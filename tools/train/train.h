@@ -65,6 +65,8 @@ struct TrainConfig {
   std::string param_dtype;                // fsdp-*: compute dtype, default the model's (fp32)
   std::string reduce_dtype;               // fsdp-*: gradient reduction dtype, default the param dtype
   std::string accumulate_grads = "full";  // fsdp-*: full (no_sync) | sharded (reduce-scatter every micro-step)
+  int replicas = 0;                       // hsdp*: R, replica groups (0: one per host, FsdpOptions::replicas)
+  bool shard_across_hosts = false;        // hsdp*: a shard group may span hosts
   bool report_memory = false;             // memory and bytes sent in log and summary (always on when sharded)
 };
 

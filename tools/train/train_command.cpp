@@ -53,6 +53,12 @@ void add_engine_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--accumulate-grads", c.accumulate_grads,
                   "fsdp-* with --accumulate: full (no_sync, one reduce-scatter per step; default) or sharded "
                   "(reduce-scatter every micro-step, gradient memory stays 1/N)");
+  cmd->add_option("--replicas", c.replicas,
+                  "hsdp, hsdp-grad-op: R replica groups of N/R ranks, each sharding the model (rank = replica * N/R + "
+                  "shard index); default: one per host. R = 1 is fsdp-full, R = N replicates like ddp")
+      ->check(CLI::Range(1, kMaxNproc));
+  cmd->add_flag("--shard-across-hosts", c.shard_across_hosts,
+                "hsdp, hsdp-grad-op: allow a shard group to span hosts (its all-gathers then cross the network)");
   cmd->add_option("--comm-hook", c.comm_hook, "ddp: none (default), allreduce, fp16 or bf16 (PyTorch's hooks)")
       ->check(CLI::IsMember(comm_hook_names()));
   cmd->add_flag("--no-prefetch", c.no_prefetch,
@@ -130,7 +136,8 @@ void add_train_command(CLI::App& root, int& exit_code) {
   add_backend_flag(cmd, c.backend);
   cmd->add_option("--strategy", c.strategy,
                   "local (one process, no communication), ddp, fsdp-full (ZeRO-3), fsdp-grad-op (ZeRO-2), "
-                  "fsdp-no-shard or zero1 (see docs/sharding.md)")
+                  "fsdp-no-shard, hsdp or hsdp-grad-op (hybrid: shard inside a host, replicate across hosts; see "
+                  "--replicas) or zero1 (see docs/sharding.md)")
       ->transform(CLI::CheckedTransformer(strategy_names(), CLI::ignore_case).description(""));
   add_optimizer_options(cmd, c);
   cmd->add_option("--reduction", c.reduction,
