@@ -182,6 +182,50 @@ TEST(MultiNodeLaunch, TwoLaunchersOfTwoRanksFormOneWorldOfFour) {
   }
 }
 
+namespace {
+
+// Two launchers of two ranks on loopback (--nnodes 2) running `gradsync train ARGS`; their outputs, node 0's first.
+std::vector<t::ProcessResult> train_on_two_nodes(const std::vector<std::string>& args) {
+  const int port = t::free_port();
+  std::vector<t::Process> launchers;
+  for (int node = 0; node < 2; ++node) {
+    std::vector<std::string> argv{GRADSYNC_BIN, "launch", "--nnodes", "2", "--node-rank", std::to_string(node), "-n",
+                                  "2", "--master-addr", "127.0.0.1", "--master-port", std::to_string(port), "--",
+                                  GRADSYNC_BIN, "train", "--model", "mlp:8-16-4", "--data", "synthetic:64",
+                                  "--global-batch", "16", "--steps", "2", "--timeout", "20"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    t::CommandOptions opts;
+    opts.timeout = std::chrono::seconds(60);
+    opts.env = {{"OMP_NUM_THREADS", "1"}};
+    opts.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+    launchers.push_back(t::Process::start(argv, opts));
+  }
+  std::vector<t::ProcessResult> results;
+  for (auto& l : launchers) results.push_back(l.wait());
+  return results;
+}
+
+}  // namespace
+
+// Hybrid sharding's default mesh is a shard group per host (the launchers' --nnodes); a shard group spanning the
+// two hosts is refused on every rank, naming the option that allows it, and runs when allowed.
+TEST(MultiNodeLaunch, HsdpTakesAShardGroupPerHostAndRefusesOneSpanningHostsUnlessAllowed) {
+  const auto mesh = train_on_two_nodes({"--strategy", "hsdp"});
+  for (const auto& r : mesh) ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_NE(mesh[0].out.find("2 replica(s) of 2 rank(s)"), std::string::npos) << mesh[0].out;
+  const auto spanning = train_on_two_nodes({"--strategy", "hsdp", "--replicas", "1"});
+  for (int node = 0; node < 2; ++node) {
+    const auto& r = spanning[static_cast<size_t>(node)];
+    EXPECT_FALSE(r.ok() || r.timed_out) << r.describe();
+    EXPECT_NE(r.err.find("1 replicas of 4 ranks make shard groups of 4 ranks, but a host runs 2"), std::string::npos)
+        << r.describe();
+    EXPECT_NE(r.err.find("train --shard-across-hosts"), std::string::npos) << r.describe();
+  }
+  const auto allowed = train_on_two_nodes({"--strategy", "hsdp", "--replicas", "1", "--shard-across-hosts"});
+  for (const auto& r : allowed) ASSERT_TRUE(r.ok()) << r.describe();
+  EXPECT_NE(allowed[0].out.find("1 replica(s) of 4 rank(s)"), std::string::npos) << allowed[0].out;
+}
+
 TEST(MultiNodeLaunch, BadNodeFlagsAreRefusedNamingThem) {
   t::CommandOptions opts;
   opts.timeout = std::chrono::seconds(30);

@@ -13,8 +13,9 @@ Mesh make_mesh(World& world, int replicas, bool across_hosts, const std::string&
   const int n = world.size();
   const int r = replicas == 0 ? hosts_of(world) : replicas;
   if (r < 1 || n % r != 0) {
-    throw ConfigError(fmt::format("{}: {} replicas for {} ranks; the replica count must divide the world size "
-                                  "(rank = replica x S + shard index, S = N / R)", who, r, n));
+    throw ConfigError(fmt::format("{}: {} replicas for {} ranks; the replica count (FsdpOptions::replicas, "
+                                  "train --replicas) must divide the world size (rank = replica x S + shard index, "
+                                  "S = N / R)", who, r, n));
   }
   const int s = n / r;
   const int local = world.local_size();
@@ -22,7 +23,8 @@ Mesh make_mesh(World& world, int replicas, bool across_hosts, const std::string&
     throw ConfigError(fmt::format(
         "{}: {} replicas of {} ranks make shard groups of {} ranks, but a host runs {} (its local world size), so a "
         "shard group would span hosts and send every all-gather and reduce-scatter across them; choose a replica "
-        "count that is a multiple of the {} host(s), or allow shard groups across hosts", who, r, n, s, local,
+        "count that is a multiple of the {} host(s), or allow shard groups across hosts (FsdpOptions::"
+        "shard_across_hosts, train --shard-across-hosts)", who, r, n, s, local,
         hosts_of(world)));
   }
   Mesh mesh;
