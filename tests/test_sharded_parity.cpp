@@ -167,6 +167,7 @@ INSTANTIATE_TEST_SUITE_P(
                           {"--momentum", "0.9", "--weight-decay", "0.1", "--no-decay-1d", "--freeze",
                            "inp.,blocks.1.norm", "--steps", "6"},
                           {{"--strategy", "fsdp-full", "--wrap", "children"},
+                           {"--strategy", "hsdp", "--replicas", "3", "--wrap", "children"},
                            {"--strategy", "fsdp-grad-op"},
                            {"--strategy", "zero1"}}},
         ShardedParityCase{"N2_K1_cnn_frozen_conv_no_decay", "cnn:3-4-10", "ce", 40, 2, 1, 8,
@@ -176,6 +177,7 @@ INSTANTIATE_TEST_SUITE_P(
         // A gpt with its blocks as units; the tied wte (first and last layer) stays in the root unit.
         ShardedParityCase{"N2_K2_gpt_adam", "gpt:17-8-12-2-3", "ce", 48, 2, 2, 16, {"--optimizer", "adam", "--steps", "4"},
                           {{"--strategy", "fsdp-full", "--wrap", "type:Block"},
+                           {"--strategy", "hsdp", "--replicas", "2", "--wrap", "type:Block"},
                            {"--strategy", "fsdp-grad-op", "--wrap", "list:blocks.0,blocks.1"},
                            {"--strategy", "zero1"}}}),
     [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });
