@@ -181,6 +181,7 @@ GRADSYNC_WORKER(split_groups) {
   }
   check_group(*quarter, inner, r);
   check_group(*half, members, r);  // the outer group still works after its own split
+  check_reduction_buffers(*half);  // on MPI a group inside one host keeps DDP's buckets in shared memory
   comm.barrier();
   fmt::print("split ok on rank {} of {} ({})\n", r, n, gradsync::to_string(world->backend()));
   return 0;
