@@ -198,11 +198,12 @@ Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
 // Memory and bytes sent in the log and the summary: always for the sharded strategies, on request otherwise.
 bool reports_resources(const TrainConfig& c) { return is_sharded(c.strategy) || c.report_memory; }
 
-// e.g. BatchNorm1d given a 1-sample micro-batch: say where, and what to change.
-[[noreturn]] void degenerate_batch(const c10::Error& e, int rank, const StepRecord& r, int64_t micro_batch) {
-  throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {} (change --global-batch, "
-                                "--accumulate or --world-size so that no micro-batch is degenerate)",
-                                rank, r.step, r.epoch, micro_batch, e.what_without_backtrace()));
+// A torch error in a step, said with where; a micro-batch too small (BatchNorm given 1 sample) says what to change.
+[[noreturn]] void step_failed(const c10::Error& e, int rank, const StepRecord& r, int64_t micro_batch) {
+  const std::string what = e.what_without_backtrace();
+  const char* hint = " (change --global-batch, --accumulate or --world-size so that no micro-batch is degenerate)";
+  throw ConfigError(fmt::format("rank {}: step {} (epoch {}), micro-batch size {}: {}{}", rank, r.step, r.epoch,
+                                micro_batch, what, what.find("more than 1 value per channel") == what.npos ? "" : hint));
 }
 
 // --eval at the end of an epoch: on stdout (rank 0) and in the epoch's last log line.
@@ -277,7 +278,7 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
   try {
     totals = loop.step_fn(loop.ctx, loop.schedule, s, record);
   } catch (const c10::Error& e) {
-    degenerate_batch(e, rank, record, loop.micro_batch);
+    step_failed(e, rank, record, loop.micro_batch);
   } catch (const ConfigError& e) {  // a micro-batch the loss refuses (no valid token under a token mean)
     throw ConfigError(fmt::format("rank {}: step {} (epoch {}): {}", rank, record.step, record.epoch, e.what()));
   }
