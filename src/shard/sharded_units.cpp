@@ -109,8 +109,7 @@ void ShardedUnits::enter_unit(size_t u) {
   forward_order.push_back(u);
   const size_t next = u + 1;
   if (!options.prefetch() || next >= flats.size() || is_root(next) || progress[next].needs_backward) return;
-  const bool keeps_all = options.strategy() == ShardingStrategy::ShardGradOp ||
-                         options.strategy() == ShardingStrategy::HybridShardGradOp;
+  const bool keeps_all = sharded() && !frees_after_use(options.strategy());  // SHARD_GRAD_OP, hybrid or not
   if (keeps_all || gathered_units() < kMaxGatheredUnits) start_gather(next, OrderCheck::Op::ForwardGather);
 }
 
@@ -260,7 +259,7 @@ void ShardedUnits::finalize_backward() {
     if (progress[u].needs_backward && !progress[u].post_backward_done) post_backward(u);
   }
   finish_reductions(0);
-  if (backward_sync && hybrid() && replica_sync) reduce_across_replicas();
+  if (hybrid() && replica_sync) reduce_across_replicas();  // replica_sync implies backward_sync
   end_synced_backward();
 }
 
