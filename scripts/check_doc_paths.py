@@ -22,7 +22,7 @@ import re
 import sys
 import urllib.parse
 
-TOP_LEVEL = ("src", "include", "tools", "tests", "bench", "examples", "scripts", "docs", "build", ".ci")
+TOP_LEVEL = ("src", "include", "tools", "tests", "bench", "examples", "scripts", "docs", "cmake", "build", ".ci")
 TOP_LEVEL_FILES = ("CMakeLists.txt", "Makefile", "README.md")
 GENERATED = ("build",)
 INCLUDE_RELATIVE = ("gradsync",)   # `gradsync/x.h` is include/gradsync/x.h, as code includes it

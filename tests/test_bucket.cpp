@@ -2,7 +2,7 @@
 // initial_bucket_layout): gradient-ready order (reverse registration), the first and the later byte cap (a
 // bucket closes as soon as it reaches its cap; each dtype has its own limit sequence), one dtype per bucket,
 // contiguous offsets covering every parameter exactly once; and the same buckets as real PyTorch's
-// torch.distributed._compute_bucket_assignment_by_size (/usr/bin/python3, under a timeout) called as DDP does:
+// torch.distributed._compute_bucket_assignment_by_size (the reference Python, GRADSYNC_PYTHON, under a timeout) called as DDP does:
 // at construction (registration order, sorted, reversed) and when the reducer rebuilds (ready order).
 #include <gtest/gtest.h>
 
@@ -31,7 +31,7 @@ using gradsync::BucketPlan;
 using Groups = std::vector<std::vector<size_t>>;  // [bucket] -> parameter indices in buffer order
 using Order = std::vector<size_t>;
 
-constexpr const char* kPython = "/usr/bin/python3";
+constexpr const char* kPython = GRADSYNC_PYTHON;
 
 std::vector<torch::Tensor> params_of(const std::vector<int64_t>& numels, c10::ScalarType dtype = torch::kFloat) {
   std::vector<torch::Tensor> out;
@@ -125,7 +125,7 @@ void expect_limits_respected(const std::vector<torch::Tensor>& params, const std
   }
 }
 
-// Runs `script` (reads the JSON file argv[1], prints one JSON line) with /usr/bin/python3 under a timeout.
+// Runs `script` (reads the JSON file argv[1], prints one JSON line) with the reference Python (GRADSYNC_PYTHON) under a timeout.
 nlohmann::json python_json(const std::string& script, const nlohmann::json& input) {
   const std::string dir = gradsync::test::make_temp_dir("gradsync-bucket-");
   const std::string input_path = dir + "/input.json";

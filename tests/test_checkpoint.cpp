@@ -153,7 +153,7 @@ TEST(FaultsCheckpoint, APickleThatWouldRunCodeIsRefusedNamingTheFileAndNothingRu
   Checkpoints checkpoints(dir, nullptr);
   const auto info = checkpoints.save(1, a.engine, *a.optimizer);
   const std::string marker = dir + "/code-ran", model = info.path + "/model.pt";
-  const auto py = t::run({"/usr/bin/python3", "-c",
+  const auto py = t::run({GRADSYNC_PYTHON, "-c",
                           "import os, sys, torch\n"
                           "class Evil:\n    def __reduce__(self):\n        return (os.system, ('touch ' + sys.argv[2],))\n"
                           "torch.save({'0.weight': Evil()}, sys.argv[1])\n",

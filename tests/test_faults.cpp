@@ -134,7 +134,7 @@ TEST(FaultsJob, AHandStartedJobsStoreListensOnLoopbackOnlyAndDropsAStrayClient) 
   while (t::line_count(dir + "/log0") < 5 && !ranks[0].poll()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   EXPECT_EQ(t::listeners_on(port), std::vector<std::string>{fmt::format("0100007F:{:04X}", port)});
   // A client without the token: the store drops it at its first key; the job trains on undisturbed.
-  const auto stray = t::run({"/usr/bin/python3", "-c",
+  const auto stray = t::run({GRADSYNC_PYTHON, "-c",
                              "import sys, datetime, torch.distributed as d\n"
                              "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, "
                              "timeout=datetime.timedelta(seconds=30))\n"

@@ -308,7 +308,7 @@ GRADSYNC_WORKER(fsdp_full_state_dict) {
 TEST(Fsdp, FullStateDictRoundTripReshardsAndPythonReadsIt) {
   const auto dir = t::make_temp_dir("gradsync-fsdp");
   expect_all_ok(t::run_ranks(3, t::worker_argv("fsdp_full_state_dict", {dir}), options()));
-  auto check = t::run({"/usr/bin/python3", "-c",
+  auto check = t::run({GRADSYNC_PYTHON, "-c",
                        "import torch, torch.nn as nn\n"
                        "m = nn.Sequential(nn.Linear(6,13), nn.BatchNorm1d(13), nn.ReLU(), nn.Linear(13,7), "
                        "nn.BatchNorm1d(7), nn.ReLU(), nn.Linear(7,3))\n"
@@ -375,7 +375,7 @@ GRADSYNC_WORKER(fsdp_sharded_checkpoint) {
 TEST(Fsdp, ShardedCheckpointResumesBitIdenticallyAndPythonReadsIt) {
   const auto dir = t::make_temp_dir("gradsync-fsdp") + "/ckpt";
   expect_all_ok(t::run_ranks(3, t::worker_argv("fsdp_sharded_checkpoint", {dir}), options()));
-  auto check = t::run({"/usr/bin/python3", "-c",
+  auto check = t::run({GRADSYNC_PYTHON, "-c",
                        "import torch\n"
                        "s = torch.load('" + gradsync::shard_file(dir, 1, 3) + "')\n"
                        "u = s['units']['0']\n"

@@ -140,7 +140,7 @@ TEST(GlobalMean, SamplerWithoutPaddingCoversEveryIndexExactlyOnce) {
 
 namespace {
 
-const std::string kPython = "/usr/bin/python3";
+const std::string kPython = GRADSYNC_PYTHON;
 const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
 
 t::CommandOptions cli() {

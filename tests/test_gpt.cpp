@@ -22,7 +22,7 @@ namespace cli = gradsync::cli;
 
 namespace {
 
-const std::string kPython = "/usr/bin/python3";
+const std::string kPython = GRADSYNC_PYTHON;
 const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
 
 t::CommandOptions options(int seconds = 180) {

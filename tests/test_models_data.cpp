@@ -2,7 +2,7 @@
 // semantics equal to Python's nn.Sequential, synthetic data bit-identical to the documented Python recipe,
 // Fashion-MNIST reading, and the error messages for bad specs and bad files.
 //
-// Python references run /usr/bin/python3 (python3-torch, installed by scripts/install-deps.sh).
+// Python references run GRADSYNC_PYTHON (the torch of the same line, installed by scripts/install-deps.sh).
 #include <gtest/gtest.h>
 
 #include "support/error_of.h"
@@ -38,7 +38,7 @@ using gradsync::cli::make_model;
 
 torch::nn::Sequential sequential_model(const std::string& spec) { return make_model(spec).sequential(); }
 
-constexpr const char* kPython = "/usr/bin/python3";
+constexpr const char* kPython = GRADSYNC_PYTHON;
 
 // A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit (launch/spawn.h).
 struct TempDir : gradsync::cli::TempDir {
@@ -74,7 +74,7 @@ std::string read_text(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-// Runs `script` with /usr/bin/python3, argv[1] = dir. Returns "" on success, else a failure description.
+// Runs `script` with GRADSYNC_PYTHON, argv[1] = dir. Returns "" on success, else a failure description.
 std::string run_python(const std::string& script, const TempDir& dir) {
   const std::string script_path = dir.file("reference.py");
   const std::string log_path = dir.file("reference.log");

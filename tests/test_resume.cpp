@@ -206,7 +206,7 @@ TEST(FaultsResume, ACheckpointOfNRanksLoadsAtMRanksUnderAnyStrategy) {
                                "--save-optim", dir + "/two-optim.pt"}));
   ASSERT_TRUE(two.ok()) << two.describe();
   EXPECT_EQ(bit_difference(saved + "/model.pt", dir + "/two.pt"), "");
-  const auto py = t::run({"/usr/bin/python3", "-c",
+  const auto py = t::run({GRADSYNC_PYTHON, "-c",
                           "import sys, torch\n"
                           "a = torch.load(sys.argv[1]); b = torch.load(sys.argv[2])\n"
                           "for k in ('model', 'rng', 'layout'): torch.load(f'{sys.argv[3]}/{k}.pt', weights_only=True)\n"

@@ -1,6 +1,6 @@
 // Tests for gradsync::DistributedSampler (include/gradsync/sampler.h): every rank's order equals real Python
 // torch.utils.data.DistributedSampler (tests/reference/sampler_reference.py, batch mode, run with
-// /usr/bin/python3 under a timeout) over many (n, replicas, seed, epoch, shuffle, drop_last) cases, plus the
+// GRADSYNC_PYTHON under a timeout) over many (n, replicas, seed, epoch, shuffle, drop_last) cases, plus the
 // properties of the order (coverage, padding from the start, truncation, epochs) and argument errors.
 #include <gtest/gtest.h>
 
@@ -32,7 +32,7 @@ using gradsync::DistributedSampler;
 using Indices = std::vector<int64_t>;
 using RankIndices = std::vector<Indices>;  // [rank] -> that rank's indices
 
-constexpr const char* kPython = "/usr/bin/python3";
+constexpr const char* kPython = GRADSYNC_PYTHON;
 const std::string kSamplerReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference/sampler_reference.py";
 
 struct Case {
@@ -64,7 +64,7 @@ RankIndices gradsync_indices(const Case& c) {
   return out;
 }
 
-// Python's indices for every case, starting /usr/bin/python3 once per chunk of cases (a single argv string
+// Python's indices for every case, starting GRADSYNC_PYTHON once per chunk of cases (a single argv string
 // must stay below Linux's 128 KiB MAX_ARG_STRLEN). Fails the test (and returns fewer results) on error.
 std::vector<RankIndices> python_indices(const std::vector<Case>& cases) {
   std::vector<RankIndices> out;

@@ -1,6 +1,6 @@
 // Tests for include/gradsync/state_dict.h: state_dict() keys and order equal to Python's nn.Module.state_dict()
 // (own parameters, own buffers, then children), files that real Python torch.load reads as a plain dict with
-// identical tensors and vice versa (Python references run /usr/bin/python3 under a timeout), strict load_into,
+// identical tensors and vice versa (Python references run GRADSYNC_PYTHON under a timeout), strict load_into,
 // atomic saving and the errors for unwritable paths and damaged files.
 #include <gtest/gtest.h>
 
@@ -37,7 +37,7 @@ namespace fs = std::filesystem;
 using gradsync::StateDict;
 using Names = std::vector<std::string>;
 
-constexpr const char* kPython = "/usr/bin/python3";
+constexpr const char* kPython = GRADSYNC_PYTHON;
 
 // A fresh directory under $TMPDIR (or /tmp), removed with everything in it at scope exit.
 class TempDir {

@@ -111,7 +111,7 @@ TEST(StoreServer, ServesPythonTorchDistributedTcpStoreWithTheToken) {
   StoreServer server(o);
   auto mine = c10::make_intrusive<c10d::PrefixStore>("f00dcafe", client(server.port()));
   mine->set("from-cpp", bytes("hello"));
-  const auto py = t::run({"/usr/bin/python3", "-c",
+  const auto py = t::run({GRADSYNC_PYTHON, "-c",
                           "import sys, datetime, torch.distributed as d\n"
                           "s = d.PrefixStore('f00dcafe', d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False, "
                           "timeout=datetime.timedelta(seconds=20)))\n"

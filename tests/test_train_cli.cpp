@@ -12,7 +12,7 @@ namespace t = gradsync::test;
 
 namespace {
 
-const std::string kPython = "/usr/bin/python3";
+const std::string kPython = GRADSYNC_PYTHON;
 
 t::CommandOptions quick() {
   t::CommandOptions o;

@@ -140,7 +140,7 @@ TEST(FaultsTwoHosts, SlowLinkBenchMovesThePredictedBytesAcrossHosts) {
   t::CommandOptions o;
   o.timeout = std::chrono::seconds(300);
   o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
-  const auto r = t::run({"/usr/bin/python3", std::string(GRADSYNC_SOURCE_DIR) + "/bench/two_hosts_tbf.py",
+  const auto r = t::run({GRADSYNC_PYTHON, std::string(GRADSYNC_SOURCE_DIR) + "/bench/two_hosts_tbf.py",
                          "--gradsync", GRADSYNC_BIN, "--rounds", "1", "--short", "2", "--long", "5"}, o);
   if (r.exit_code == 77) GTEST_SKIP() << r.out;
   ASSERT_TRUE(r.ok()) << r.describe();

@@ -8,6 +8,7 @@
 #include <CLI/CLI.hpp>
 
 #include "bench/bench.h"
+#include "gradsync/runtime.h"
 #include "lab/lab.h"
 #include "launch/launch.h"
 #include "train/train.h"
@@ -32,7 +33,9 @@ void keep_freed_memory_for_reuse() {
 int main(int argc, char** argv) {
   keep_freed_memory_for_reuse();
   CLI::App app{"gradsync: data-parallel training for libtorch with declared gradient semantics"};
-  app.set_version_flag("--version", std::string("gradsync ") + GRADSYNC_VERSION);
+  // gradsync's, libtorch's and MPI's versions, the backends, CUDA: asked only when --version is given.
+  app.set_version_flag("--version", [] { return gradsync::describe(gradsync::build_info()); },
+                       "print gradsync's, libtorch's and MPI's versions, the backends and CUDA, then exit");
   app.require_subcommand(1);
   int exit_code = 0;
   gradsync::cli::add_launch_command(app, exit_code);

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -87,6 +88,20 @@ class World {
 // that ranks are distinct and agree on the world size (src/runtime/rendezvous.h), then creates a ProcessGroupGloo.
 // MPI: initialises MPI (once per process) and checks that MPI's ranks are the environment's.
 std::shared_ptr<World> init(const InitOptions& options = {});
+
+// What this gradsync was built against and what it finds at run time (`gradsync --version`).
+struct BuildInfo {
+  std::string gradsync;               // gradsync's version
+  std::string libtorch;               // the libtorch it was built against (TORCH_VERSION)
+  std::string mpi;                    // the MPI library's own version line (Open MPI's MPI_Get_library_version)
+  std::vector<std::string> backends;  // the collective engines compiled in: "gloo", "mpi"
+  bool cuda_compiled = false;         // the libtorch carries CUDA (libtorch_cuda is loaded)
+  std::string cuda_runtime;           // its CUDA runtime version, when compiled in
+  int cuda_devices = 0;               // CUDA devices visible to this process
+};
+BuildInfo build_info();
+// Several lines, one fact each, as `gradsync --version` prints them.
+std::string describe(const BuildInfo& info);
 
 // Gloo on a store the caller made (tests: a FileStore in a temp dir).
 std::shared_ptr<World> init_with_store(c10::intrusive_ptr<c10d::Store> store, const LaunchEnv& env,

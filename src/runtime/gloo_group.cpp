@@ -10,6 +10,17 @@
 
 namespace gradsync {
 
+// Note [Gloo headers]
+// A libtorch 2.x carries its own, newer gloo inside libtorch_cpu.so but ships no gloo headers, so gradsync compiles
+// against Debian's gloo headers (of 2022-05). Code compiled here may only rely on what both gloos lay out alike:
+// - Context: its member functions (compiled inside libtorch), never its data members. Newer gloo dropped the
+//   virtual destructor, so `rank` and `size` sit 8 bytes earlier than the old header says; the rank is the
+//   group's (getRank()).
+// - transport::UnboundBuffer: the virtual send/recv/waitSend/waitRecv, declared in the same order in both (newer
+//   gloo appends put/get/getRemoteKey after them, so the slots in use are unchanged).
+// - Slot::build: an inline computation, the same in both.
+// The two-rank allreduce's tests (bit for bit the ring's result, on every run of the suite) are what establish it.
+//
 // Note [The two-rank allreduce]
 // Each rank owns half of the buffer, as in Gloo's ring. Both ranks send the peer's half at once, in segments; as
 // each segment of its own half arrives, a rank adds it and sends the sum straight back. The connection is busy
@@ -40,16 +51,19 @@ void add_into(T* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] += src[i];
 }
 
-class PairAllreduce : public c10d::ProcessGroupGloo::AsyncWork {
+// See Note [Gloo headers]: of gloo's classes this touches only what is the same in every gloo (UnboundBuffer's
+// send/recv/wait, Context::createUnboundBuffer, Slot::build); the rank comes from the group, not the Context.
+class PairAllreduce : public compat::GlooGroupWork {
  public:
-  PairAllreduce(std::shared_ptr<::gloo::Context> context, at::Tensor tensor, uint32_t tag)
-      : AsyncWork({{tensor}}, "gradsync:pair_allreduce"),
-        context_(std::move(context)),
-        tensor_(std::move(tensor)),
+  PairAllreduce(std::shared_ptr<::gloo::Context> context, at::Tensor tensor, int rank, uint32_t tag, uint64_t seq,
+                std::chrono::milliseconds timeout)
+      : GlooGroupWork(context, std::move(tensor), seq, timeout, "gradsync:pair_allreduce"),
+        gloo_context_(std::move(context)),
+        rank_(rank),
         tag_(tag) {}
 
   void run() override {
-    const int me = context_->rank;
+    const int me = rank_;
     const int peer = 1 - me;
     const int64_t n = tensor_.numel();
     const int64_t size = tensor_.element_size();
@@ -65,8 +79,8 @@ class PairAllreduce : public c10d::ProcessGroupGloo::AsyncWork {
     char* data = static_cast<char*>(tensor_.data_ptr());
     auto received = at::empty({std::max<int64_t>(own_count, 1)}, tensor_.options());
     const char* got = static_cast<const char*>(received.data_ptr());
-    auto buffer = context_->createUnboundBuffer(data, static_cast<size_t>(n * size));
-    auto incoming = context_->createUnboundBuffer(received.data_ptr(), static_cast<size_t>(received.nbytes()));
+    auto buffer = gloo_context_->createUnboundBuffer(data, static_cast<size_t>(n * size));
+    auto incoming = gloo_context_->createUnboundBuffer(received.data_ptr(), static_cast<size_t>(received.nbytes()));
 
     // Every receive is posted before any send, so no message waits for its buffer.
     for (const auto& [b, e] : mine) incoming->recv(peer, contributions, (b - own_begin) * size, (e - b) * size);
@@ -91,8 +105,8 @@ class PairAllreduce : public c10d::ProcessGroupGloo::AsyncWork {
     }
   }
 
-  std::shared_ptr<::gloo::Context> context_;
-  at::Tensor tensor_;
+  std::shared_ptr<::gloo::Context> gloo_context_;
+  int rank_;
   uint32_t tag_;
 };
 
@@ -110,7 +124,8 @@ c10::intrusive_ptr<c10d::Work> GlooGroup::allreduce_sum(at::Tensor tensor) {
     return allreduce(list, c10d::AllreduceOptions{});
   }
   const uint32_t tag = nextTag();
-  auto work = c10::make_intrusive<PairAllreduce>(getContext(tag), std::move(tensor), tag);
+  auto work = c10::make_intrusive<PairAllreduce>(getContext(tag), std::move(tensor), getRank(), tag, next_seq(),
+                                                 getOptions()->timeout);
   enqueue(work);
   return work;
 }

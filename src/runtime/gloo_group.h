@@ -1,13 +1,13 @@
 // defines: GlooGroup, c10d's ProcessGroupGloo with an allreduce of its own for two ranks that keeps both
 // directions of the TCP connection busy (see Note [The two-rank allreduce] in gloo_group.cpp).
 #pragma once
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include "torch_compat.h"
 
 namespace gradsync {
 
-class GlooGroup : public c10d::ProcessGroupGloo {
+class GlooGroup : public compat::GlooGroupBase {
  public:
-  using ProcessGroupGloo::ProcessGroupGloo;
+  using GlooGroupBase::GlooGroupBase;
 
   // In-place sum over the ranks, on the group's worker threads and Gloo context like every c10d collective.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor tensor);

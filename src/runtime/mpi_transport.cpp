@@ -424,4 +424,13 @@ std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env, std::chrono:
                                         timeout);
 }
 
+std::string mpi_library_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int length = 0;
+  MPI_Get_library_version(text, &length);
+  std::string line(text, static_cast<size_t>(std::max(length, 0)));
+  const auto end = line.find_first_of(",\n");
+  return end == std::string::npos ? line : line.substr(0, end);
+}
+
 }  // namespace gradsync

@@ -3,17 +3,35 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 namespace gradsync {
 namespace {
 
-enum Query : uint8_t { kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kNumKeys, kWatch, kDelete };
+// What a request asks, whichever client generation numbered it (see store_protocol.h).
+enum class Op {
+  kValidate, kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kNumKeys, kWatch, kDelete, kAppend, kMultiGet, kMultiSet,
+  kCancelWait, kPing, kUnsupported
+};
 enum Watch : uint8_t { kUpdated, kCreated, kDeleted, kRegistered };
-constexpr uint8_t kReady = 0, kNotReady = 1, kStopWaiting = 0;
+constexpr uint8_t kReady = 0, kNotReady = 1, kStopWaiting = 0, kWaitCanceled = 1;
+constexpr uint32_t kValidationMagic = 0x3C85F7CE;  // the first request of a 2.x client: VALIDATE and this number
+
+Op op_of(uint8_t query, bool v2) {
+  static constexpr Op v1[] = {Op::kSet,   Op::kCompareSet, Op::kGet,     Op::kAdd,   Op::kCheck,
+                              Op::kWait,  Op::kNumKeys,    Op::kWatch,   Op::kDelete};
+  static constexpr Op v2_ops[] = {Op::kValidate, Op::kSet,      Op::kCompareSet, Op::kGet,        Op::kAdd,
+                                  Op::kCheck,    Op::kWait,     Op::kNumKeys,    Op::kDelete,     Op::kAppend,
+                                  Op::kMultiGet, Op::kMultiSet, Op::kCancelWait, Op::kPing};
+  if (v2) return query < std::size(v2_ops) ? v2_ops[query] : Op::kUnsupported;  // queues, LIST_KEYS: not served
+  return query < std::size(v1) ? v1[query] : Op::kUnsupported;
+}
 
 // Reads from `in` at `pos`, moving `pos` only past what was read. Nothing is allocated from a length before the
 // bytes it announces have all arrived, and a length above its limit fails at once.
-struct Reader {
+}  // namespace
+
+struct StoreState::Reader {
   const std::vector<uint8_t>& in;
   size_t& pos;
   const StoreLimits& limits;
@@ -58,6 +76,8 @@ struct Reader {
   }
 };
 
+namespace {
+
 std::string as_string(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
 
 template <typename T>
@@ -82,64 +102,131 @@ Parse StoreState::feed(uint64_t connection, std::vector<uint8_t>& in) {
   return status;
 }
 
+// A 2.x client opens with VALIDATE (query 0) and the magic number. To a 1.13 client query 0 is SET, followed by the
+// key's length, whose first four bytes would then say more than a gigabyte: the two cannot be mistaken.
+Parse StoreState::dialect_of(uint64_t connection, const std::vector<uint8_t>& in, size_t pos, bool& v2) {
+  if (auto it = v2_.find(connection); it != v2_.end()) {
+    v2 = it->second;
+    return Parse::Done;
+  }
+  if (in[pos] != 0) {
+    v2 = v2_[connection] = false;
+    return Parse::Done;
+  }
+  if (in.size() - pos < 1 + sizeof(uint32_t)) return Parse::Incomplete;
+  uint32_t magic = 0;
+  std::memcpy(&magic, in.data() + pos + 1, sizeof(magic));
+  v2 = v2_[connection] = magic == kValidationMagic;
+  return Parse::Done;
+}
+
 Parse StoreState::handle_one(uint64_t connection, const std::vector<uint8_t>& in, size_t& pos) {
+  bool v2 = false;
+  if (const auto known = dialect_of(connection, in, pos, v2); known != Parse::Done) return known;
   Reader r{in, pos, limits_};
-  const auto query = r.value<uint8_t>();
-  const auto key = [&] { return r.key(); };
-  const auto keys = [&] { return r.keys(); };
+  const auto op = op_of(r.value<uint8_t>(), v2);
   if (!r.ok()) return r.status;
-  switch (query) {
-    case kSet: {
-      auto k = key();
-      auto v = r.bytes(limits_.max_value_bytes);
-      if (r.ok()) set(k, std::move(v));
+  switch (op) {
+    case Op::kValidate:
+      return r.value<uint32_t>() == kValidationMagic || !r.ok() ? r.status : Parse::Malformed;
+    case Op::kPing: {
+      const auto nonce = r.value<uint32_t>();
+      if (r.ok()) send_(connection, encode<uint32_t>(nonce));
       return r.status;
     }
-    case kCompareSet: {
-      auto k = key();
+    case Op::kSet:
+    case Op::kAppend: {
+      auto k = r.key();
+      auto v = r.bytes(limits_.max_value_bytes);
+      if (!r.ok()) return r.status;
+      if (op == Op::kAppend) return append(k, v) ? r.status : Parse::Malformed;  // over the value limit
+      set(k, std::move(v));
+      return r.status;
+    }
+    case Op::kMultiSet:
+      return multi_set(r);
+    case Op::kCompareSet: {
+      auto k = r.key();
       auto expected = r.bytes(limits_.max_value_bytes);
       auto desired = r.bytes(limits_.max_value_bytes);
       if (r.ok()) compare_set(connection, k, expected, desired);
       return r.status;
     }
-    case kGet: {
-      auto k = key();
-      if (!r.ok()) return r.status;
-      auto it = data_.find(k);
-      if (it == data_.end()) return Parse::Malformed;  // c10d clients wait for a key before they get it
-      send_(connection, encode_bytes(it->second));
-      return r.status;
-    }
-    case kAdd: {
-      auto k = key();
+    case Op::kGet:
+    case Op::kMultiGet:
+      return get(connection, r, op == Op::kMultiGet);
+    case Op::kAdd: {
+      auto k = r.key();
       auto delta = r.value<int64_t>();
       if (r.ok() && !add(connection, k, delta)) return Parse::Malformed;  // the key holds no number
       return r.status;
     }
-    case kCheck:
-    case kWait: {
-      auto list = keys();
-      if (r.ok()) check_or_wait(connection, query == kWait, list);
+    case Op::kCheck:
+    case Op::kWait: {
+      auto list = r.keys();
+      if (r.ok()) check_or_wait(connection, op == Op::kWait, list);
       return r.status;
     }
-    case kNumKeys:
+    case Op::kCancelWait:
+      forget_waits(connection);
+      send_(connection, encode<uint8_t>(kWaitCanceled));
+      return r.status;
+    case Op::kNumKeys:
       send_(connection, encode<int64_t>(static_cast<int64_t>(data_.size())));
       return r.status;
-    case kWatch: {
-      auto k = key();
+    case Op::kWatch: {
+      auto k = r.key();
       if (!r.ok()) return r.status;
       watching_[k].insert(connection);
       send_(connection, encode<uint8_t>(kRegistered));
       return r.status;
     }
-    case kDelete: {
-      auto k = key();
+    case Op::kDelete: {
+      auto k = r.key();
       if (r.ok()) remove(connection, k);
       return r.status;
     }
-    default:
+    case Op::kUnsupported:
       return Parse::Malformed;
   }
+  return Parse::Malformed;
+}
+
+// GET: one key's value; MULTI_GET: a count of keys, each value in turn. c10d clients wait for a key before they
+// get it, so a missing key is a broken client.
+Parse StoreState::get(uint64_t connection, Reader& r, bool many) {
+  const auto list = many ? r.keys() : std::vector<std::string>{r.key()};
+  if (!r.ok()) return r.status;
+  std::string reply;
+  for (const auto& k : list) {
+    auto it = data_.find(k);
+    if (it == data_.end()) return Parse::Malformed;
+    reply += encode_bytes(it->second);
+  }
+  send_(connection, reply);
+  return r.status;
+}
+
+Parse StoreState::multi_set(Reader& r) {
+  const auto n = r.value<uint64_t>();
+  if (r.ok() && n > limits_.max_keys) return Parse::Malformed;
+  std::vector<std::pair<std::string, std::vector<uint8_t>>> pairs;
+  for (uint64_t i = 0; r.ok() && i < n; ++i) {
+    auto k = r.key();
+    auto v = r.bytes(limits_.max_value_bytes);
+    pairs.emplace_back(std::move(k), std::move(v));
+  }
+  if (!r.ok()) return r.status;  // nothing is set before the whole request has arrived
+  for (auto& [k, v] : pairs) set(k, std::move(v));
+  return r.status;
+}
+
+bool StoreState::append(const std::string& key, const std::vector<uint8_t>& more) {
+  auto value = data_.count(key) ? data_[key] : std::vector<uint8_t>();
+  if (value.size() + more.size() > limits_.max_value_bytes) return false;  // bounded like any value
+  value.insert(value.end(), more.begin(), more.end());
+  set(key, std::move(value));
+  return true;
 }
 
 void StoreState::compare_set(uint64_t connection, const std::string& key, const std::vector<uint8_t>& expected,
@@ -231,6 +318,7 @@ void StoreState::notify(const std::string& key, uint8_t kind, const std::vector<
 
 void StoreState::disconnect(uint64_t connection) {
   forget_waits(connection);
+  v2_.erase(connection);
   for (auto& [key, set] : watching_) set.erase(connection);
 }
 

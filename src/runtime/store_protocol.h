@@ -1,10 +1,14 @@
-// defines: StoreState, c10d's TCPStore protocol as libtorch 1.13 clients speak it -- requests parsed with limits
-// checked as each length arrives, the key-value map, replies, and the wake-ups of WAIT and WATCH_KEY -- apart from
-// any socket: StoreServer (store_server.h) feeds it the bytes each connection sent.
+// defines: StoreState, c10d's TCPStore protocol as libtorch's clients speak it, 1.13's and 2.x's -- requests parsed
+// with limits checked as each length arrives, the key-value map, replies, and the wake-ups of WAIT and WATCH_KEY --
+// apart from any socket: StoreServer (store_server.h) feeds it the bytes each connection sent.
 //
-// A request is one query byte (SET 0, COMPARE_SET 1, GET 2, ADD 3, CHECK 4, WAIT 5, GETNUMKEYS 6, WATCH_KEY 7,
-// DELETE_KEY 8), then its arguments: strings and byte vectors as a uint64 length and the bytes, counts as uint64,
-// ADD's delta as int64 (host byte order, as c10d writes them).
+// A request is one query byte, then its arguments: strings and byte vectors as a uint64 length and the bytes, counts
+// as uint64, ADD's delta as int64 (host byte order, as c10d writes them). The two generations number the queries
+// differently; each connection's first request tells which it speaks:
+// - 1.13: SET 0, COMPARE_SET 1, GET 2, ADD 3, CHECK 4, WAIT 5, GETNUMKEYS 6, WATCH_KEY 7, DELETE_KEY 8.
+// - 2.x: VALIDATE 0 (with the uint32 0x3C85F7CE, its first request), SET 1, COMPARE_SET 2, GET 3, ADD 4, CHECK 5,
+//   WAIT 6, GETNUMKEYS 7, DELETE_KEY 8, APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13 (a uint32
+//   echoed back). Its queue operations and LIST_KEYS are not served: such a request drops the connection.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -36,6 +40,12 @@ class StoreState {
   void disconnect(uint64_t connection);
 
  private:
+  struct Reader;
+  // Whether `connection` speaks 2.x's numbering, decided by its first request (Incomplete until that can be told).
+  Parse dialect_of(uint64_t connection, const std::vector<uint8_t>& in, size_t pos, bool& v2);
+  Parse get(uint64_t connection, Reader& r, bool many);
+  Parse multi_set(Reader& r);
+  bool append(const std::string& key, const std::vector<uint8_t>& more);  // false: over the value limit
   Parse handle_one(uint64_t connection, const std::vector<uint8_t>& in, size_t& pos);
   void compare_set(uint64_t connection, const std::string& key, const std::vector<uint8_t>& expected,
                    const std::vector<uint8_t>& desired);
@@ -54,6 +64,7 @@ class StoreState {
   std::map<std::string, std::vector<uint64_t>> waiting_;  // key -> connections waiting for it
   std::map<uint64_t, size_t> awaited_;                    // connection -> keys it still waits for
   std::map<std::string, std::set<uint64_t>> watching_;    // key -> connections watching it
+  std::map<uint64_t, bool> v2_;                           // connection -> speaks 2.x's numbering
 };
 
 }  // namespace gradsync

@@ -11,16 +11,17 @@
 
 #include "gradsync/error.h"
 #include "runtime/store_server.h"
+#include "torch_compat.h"
 
 namespace gradsync {
 namespace {
 
 // Forwards to the client store and keeps the server (rank 0) alive as long as any user of the store. A failure
 // becomes a DistributedError that says which store, served by whom, and what was asked of it.
-class NamedStore : public c10d::Store {
+class NamedStore : public compat::OwnStore {
  public:
   NamedStore(c10::intrusive_ptr<c10d::Store> inner, std::shared_ptr<StoreServer> server, std::string where, int rank)
-      : Store(inner->getTimeout()), server_(std::move(server)), inner_(std::move(inner)), where_(std::move(where)),
+      : OwnStore(inner->getTimeout()), server_(std::move(server)), inner_(std::move(inner)), where_(std::move(where)),
         rank_(rank) {}
 
   // c10d's client, destroyed after its server is gone, can throw from its destructor ("Connection reset by peer")
@@ -60,6 +61,12 @@ class NamedStore : public c10d::Store {
   void setTimeout(const std::chrono::milliseconds& timeout) override {
     Store::setTimeout(timeout);
     inner_->setTimeout(timeout);
+  }
+  // Another client on the same store, the server kept alive by both.
+  c10::intrusive_ptr<c10d::Store> clone_store() override {
+    return guarded("clone", "", [&] {
+      return c10::make_intrusive<NamedStore>(compat::clone_of(inner_), server_, where_, rank_);
+    });
   }
   void watchKey(const std::string& key, c10d::WatchKeyCallback callback) override {
     guarded("watch_key", key, [&] { inner_->watchKey(key, std::move(callback)); });

@@ -56,4 +56,7 @@ std::shared_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::St
 // rank or size disagree with `env` (a process not started by mpirun).
 std::shared_ptr<Transport> make_mpi_transport(const LaunchEnv& env, std::chrono::milliseconds timeout);
 
+// The MPI library's version line (MPI_Get_library_version: callable before MPI_Init), first line only.
+std::string mpi_library_version();
+
 }  // namespace gradsync

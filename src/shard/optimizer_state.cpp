@@ -8,16 +8,15 @@
 #include <fmt/ranges.h>
 
 #include "gradsync/error.h"
+#include "torch_compat.h"
 
 namespace gradsync {
 namespace {
 
 namespace optim = torch::optim;
 
-std::string state_key(const torch::Tensor& param) {
-  // The key torch::optim uses for a parameter's state (see torch/optim/serialize.h).
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
-}
+// The key torch::optim uses for a parameter's state.
+compat::OptimizerStateKey state_key(const torch::Tensor& param) { return compat::optimizer_state_key(param); }
 
 void add_if_defined(NamedTensors& out, const char* name, const torch::Tensor& t) {
   if (t.defined()) out.emplace_back(name, t);

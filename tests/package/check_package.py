@@ -1,12 +1,15 @@
 #!/usr/bin/python3
 """The installed package, used the way a new user would: install, build a project outside the tree, run it.
 
-Usage: check_package.py BUILD_DIR SOURCE_DIR
+Usage: check_package.py BUILD_DIR SOURCE_DIR PYTHON TORCH_CMAKE_PREFIX
+
+PYTHON is the reference Python with the torch gradsync was built against (its torchrun launches the ranks);
+TORCH_CMAKE_PREFIX that libtorch's CMake prefix (a wheel's torch.utils.cmake_prefix_path), given to the consumer.
 
 1. `cmake --install BUILD_DIR --prefix TMP/prefix` (headers, libgradsync.a, the gradsync CLI, gradsyncConfig.cmake,
    gradsync.pc, LICENSE);
 2. copies examples/my_trainer/ (its CMakeLists.txt is find_package(gradsync) + target_link_libraries(...
-   gradsync::gradsync), nothing else) to TMP/app, configures it with CMAKE_PREFIX_PATH=TMP/prefix and builds it;
+   gradsync::gradsync), nothing else) to TMP/app, configures it with CMAKE_PREFIX_PATH=TMP/prefix;TORCH_CMAKE_PREFIX and builds it;
 3. runs it as one process on the global batch, then as 2 ranks under the installed `gradsync launch`, under
    `torchrun --no_python` and under `mpirun -np 2`; every 2-rank result must equal the one-process result
    (tests/reference/compare_states.py, rtol 1e-5) and every saved file must load with
@@ -21,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-PYTHON = "/usr/bin/python3"
+PYTHON = "python3"  # set from the command line
 STEP_TIMEOUT = 600  # configure + build of one torch TU without a precompiled header takes ~1 min here
 
 
@@ -54,9 +57,14 @@ def mpirun_args(n):
 
 
 def main():
-    if len(sys.argv) != 3:
+    global PYTHON
+    if len(sys.argv) != 5:
         sys.exit(__doc__)
-    build, source = (os.path.abspath(p) for p in sys.argv[1:])
+    build, source, PYTHON, torch_prefix = (os.path.abspath(p) for p in sys.argv[1:])
+    # The torchrun of that torch: the wheel's beside its interpreter, Debian's on the PATH.
+    torchrun = os.path.join(os.path.dirname(PYTHON), "torchrun")
+    if not os.path.exists(torchrun):
+        torchrun = "torchrun"
     tmp = tempfile.mkdtemp(prefix="gradsync-package-")
     try:
         prefix, app = os.path.join(tmp, "prefix"), os.path.join(tmp, "app")
@@ -68,7 +76,7 @@ def main():
                 sys.exit(f"FAIL install: {f} is not installed")
         shutil.copytree(os.path.join(source, "examples", "my_trainer"), app)
         run(["cmake", "-S", app, "-B", os.path.join(app, "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-             f"-DCMAKE_PREFIX_PATH={prefix}"], "configure the consumer project")
+             f"-DCMAKE_PREFIX_PATH={prefix};{torch_prefix}"], "configure the consumer project")
         run(["cmake", "--build", os.path.join(app, "build")], "build the consumer project")
         exe = os.path.join(app, "build", "my_trainer")
         out = {name: os.path.join(tmp, name + ".pt") for name in ("single", "launch", "torchrun", "mpirun")}
@@ -76,7 +84,7 @@ def main():
         print(run([os.path.join(prefix, "bin", "gradsync"), "launch", "-n", "2", "--", exe, out["launch"]],
                   "gradsync launch -n 2"), end="")
         # --redirects 1 --tee 1: Debian 12's torchrun crashes with Python 3.11 on the default of 0 (to_map).
-        print(run(["torchrun", "--standalone", "--nproc_per_node", "2", "--redirects", "1", "--tee", "1",
+        print(run([torchrun, "--standalone", "--nproc_per_node", "2", "--redirects", "1", "--tee", "1",
                    "--no_python", exe, out["torchrun"]], "torchrun --no_python"), end="")
         print(run(mpirun_args(2) + [exe, out["mpirun"]], "mpirun -np 2"), end="")
         compare = os.path.join(source, "tests", "reference", "compare_states.py")

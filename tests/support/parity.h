@@ -14,7 +14,7 @@
 
 namespace gradsync::test::parity {
 
-inline const std::string kPython = "/usr/bin/python3";
+inline const std::string kPython = GRADSYNC_PYTHON;
 inline const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
 
 // make_case.py: DIR/data.pt (samples of the case's loss) and DIR/init.pt (the model's initial state).

@@ -31,6 +31,7 @@ struct BenchConfig {
   int64_t warmup = 5;          // steps before them, not measured
   int repeats = 5;             // runs per side, interleaved: gradsync, PyTorch, gradsync, ...
   bool compare_pytorch = false;
+  std::string python = GRADSYNC_PYTHON;  // the PyTorch compared with: the torch of gradsync's own libtorch line
   bool floor = false;          // also run world_size `--strategy local` processes at once: the compute floor
   bool sync_bn = false;        // gradsync trains with --sync-bn, and the same job without it runs interleaved
   bool json = false;

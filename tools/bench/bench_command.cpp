@@ -49,8 +49,8 @@ void add_rank_command(CLI::App& root, int& exit_code) {
 void add_bench_command(CLI::App& root, int& exit_code) {
   auto c = std::make_shared<BenchConfig>();
   auto* cmd = root.add_subcommand(
-      "bench", "Time training steps (and memory, bytes sent) of a strategy, against python3-torch DDP in the same "
-               "run with --compare-pytorch; `bench allreduce` times the collective alone");
+      "bench", "Time training steps (and memory, bytes sent) of a strategy, against PyTorch's DDP in the same run "
+               "with --compare-pytorch; `bench allreduce` times the collective alone");
   cmd->add_option("--model", c->model, "mlp:IN-H...-OUT, mlp-bn:..., cnn:C1-C2-OUT, res:IN-H-B-OUT or gpt:V-T-D-L-H "
                   "(sequences of T random tokens, every position a target; tokens/s in the table) (default "
                   "mlp:1024-1024-1024-1024-1024-10)");
@@ -67,7 +67,10 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--warmup", c->warmup, "unmeasured steps first (default 5)")->check(CLI::Range(0, 1000000));
   cmd->add_option("--repeats", c->repeats, "runs per side, interleaved (default 5)")->check(CLI::Range(1, 1000));
   cmd->add_flag("--compare-pytorch", c->compare_pytorch,
-                "also run python3-torch's DDP (Gloo) on the same model, batch, threads and world size");
+                "also run PyTorch's DDP (Gloo) on the same model, batch, threads and world size");
+  cmd->add_option("--python", c->python, "the Python whose torch --compare-pytorch runs (default: " GRADSYNC_PYTHON
+                  ", the torch of the libtorch gradsync was built against)")
+      ->check(CLI::ExistingFile);
   cmd->add_flag("--sync-bn", c->sync_bn,
                 "mlp-bn: gradsync trains with SyncBatchNorm, and the same job with plain BatchNorm runs interleaved "
                 "(row plain-bn; PyTorch's side keeps plain BatchNorm, its SyncBatchNorm runs on CUDA only)");

@@ -154,18 +154,18 @@ void run_floor(const BenchConfig& c, const TempDir& dir, int run, StepStats& sta
   add_run(stats, steps);
 }
 
-// One python3-torch job (DDP over Gloo, or one process for --strategy local).
+// One PyTorch job (DDP over Gloo, or one process for --strategy local).
 void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
   const int n = ranks_of(c);
   const std::string script = dir.file("pytorch_ddp.py");
   if (run == 0) std::ofstream(script) << pytorch_ddp_program();
   const std::string result = dir.file(fmt::format("pytorch-{}.json", run));
-  std::vector<std::string> argv{self_executable(), "launch", "-n", std::to_string(n), "--", "/usr/bin/python3", script,
+  std::vector<std::string> argv{self_executable(), "launch", "-n", std::to_string(n), "--", c.python, script,
                                 "--model", c.model, "--per-rank-batch", std::to_string(c.per_rank_batch), "--steps",
                                 std::to_string(c.steps), "--warmup", std::to_string(c.warmup), "--threads",
                                 std::to_string(c.threads), "--out", result};
   if (c.strategy != "local") argv.push_back("--ddp");
-  run_job(c, argv, dir.file(fmt::format("pytorch-{}.out", run)), "PyTorch (python3-torch, Debian)");
+  run_job(c, argv, dir.file(fmt::format("pytorch-{}.out", run)), fmt::format("PyTorch ({})", c.python).c_str());
   std::ifstream in(result);
   auto j = nlohmann::json::parse(in);
   auto mine = j.at("step_seconds").get<std::vector<double>>();
