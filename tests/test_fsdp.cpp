@@ -8,6 +8,7 @@
 #include <cmath>
 #include <fstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "gradsync/engine.h"
@@ -163,6 +164,11 @@ struct EquivalenceCase {
   int world;
   std::vector<std::string> configs;
 };
+
+// ctest lists the parameter next to the test name: the world size and the configurations, not the struct's bytes.
+void PrintTo(const EquivalenceCase& c, std::ostream* os) {
+  *os << fmt::format("N={} {}", c.world, fmt::join(c.configs, " "));
+}
 
 class FsdpEquivalence : public testing::TestWithParam<EquivalenceCase> {};
 

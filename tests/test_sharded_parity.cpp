@@ -1,14 +1,17 @@
-// Parity of the sharded strategies with real PyTorch DDP: `gradsync train --strategy fsdp-full|fsdp-grad-op|
-// fsdp-no-shard|hsdp|hsdp-grad-op|zero1` and tests/reference/torch_train.py --strategy ddp (python3-torch, gloo, DistributedDataParallel)
-// start from the same initial state and data file; every strategy must end with the same parameters (<= 1e-5
-// relative per tensor, compare_states.py), the same per-step losses and the same optimizer state keyed by parameter
-// names (compare_optim_states.py). The reference runs once per configuration, the comparisons in one process.
-// Sharded strategies sum in another order than PyTorch's allreduce, so equality is within rounding, not bitwise.
+// Parity of the sharded strategies with real PyTorch: `gradsync train --strategy fsdp-full|fsdp-grad-op|
+// fsdp-no-shard|hsdp|hsdp-grad-op|zero1` and tests/reference/torch_train.py (the build's reference Python, gloo) with
+// DistributedDataParallel (ShardedParity) or with PyTorch's own FSDP (FsdpParity: fully_shard, FSDP1) start from
+// the same initial state and data file; every strategy must end with the same parameters (relative per tensor,
+// compare_states.py), the same per-step losses and the same optimizer state keyed by parameter names
+// (compare_optim_states.py). The reference runs once per configuration, the comparisons in one process. Sharded
+// strategies sum in another order than PyTorch's allreduce, so equality is within rounding, not bitwise.
 #include <algorithm>
 #include <fstream>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/version.h>
 
 #include "support/parity.h"
 #include "support/subprocess.h"
@@ -32,7 +35,15 @@ struct ShardedParityCase {
   int global_batch;
   std::vector<std::string> flags;                   // both sides
   std::vector<std::vector<std::string>> strategies;  // gradsync only: --strategy X [extra flags]
+  std::vector<std::string> reference = {"--strategy", "ddp"};  // torch_train.py only
+  std::string rtol = "1e-5";                                   // of every parameter and optimizer state tensor
 };
+
+// ctest lists the parameter next to the test name: the case's model and strategies, not the struct's bytes.
+void PrintTo(const ShardedParityCase& c, std::ostream* os) {
+  *os << fmt::format("{} N={} K={} {} strategies against {}", c.model, c.world, c.accumulate, c.strategies.size(),
+                     fmt::join(c.reference, " "));
+}
 
 t::CommandOptions options() {
   t::CommandOptions o;
@@ -81,28 +92,25 @@ void check_strategy(const ShardedParityCase& c, const std::string& dir, const st
   }
 
   what.push_back(tag);
-  checks.push_back({"states", {dir + "/" + tag + ".pt", dir + "/pytorch.pt", "--rtol", "1e-5"}});
+  checks.push_back({"states", {dir + "/" + tag + ".pt", dir + "/pytorch.pt", "--rtol", c.rtol}});
   // A Sum run's momentum buffers are N times DDP's mean ones (its lr N times smaller): only its states compare.
   if (std::find(strategy.begin(), strategy.end(), "sum") == strategy.end()) {
     // The optimizer's state, gathered and keyed by parameter names, is PyTorch's (FSDP.full_optim_state_dict's
     // layout).
     what.push_back(tag + " optimizer");
-    checks.push_back({"optim", {dir + "/" + tag + ".optim.pt", dir + "/pytorch.optim.pt", "--rtol", "1e-5"}});
+    checks.push_back({"optim", {dir + "/" + tag + ".optim.pt", dir + "/pytorch.optim.pt", "--rtol", c.rtol}});
   }
   check_losses(tag, dir, reference_log);
 }
 
-}  // namespace
-
-class ShardedParity : public testing::TestWithParam<ShardedParityCase> {};
-
-TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
-  const auto& c = GetParam();
+// The reference (torch_train.py with c.reference) once, then every strategy of the case on both backends against it.
+void check_case(const ShardedParityCase& c) {
   const std::string dir = t::make_temp_dir("gradsync-sharded-parity");
   auto made = parity::make_case(c, "11", dir, options());
   ASSERT_TRUE(made.ok()) << made.describe();
   std::vector<std::string> py{GRADSYNC_BIN, "launch", "-n", std::to_string(c.world), "--", kPython,
-                              kReference + "/torch_train.py", "--strategy", "ddp"};
+                              kReference + "/torch_train.py"};
+  py.insert(py.end(), c.reference.begin(), c.reference.end());
   auto py_flags = parity::train_flags(c, dir, "pytorch", c.flags);
   py.insert(py.end(), py_flags.begin(), py_flags.end());
   py.insert(py.end(), {"--save-optim", dir + "/pytorch.optim.pt"});
@@ -126,6 +134,12 @@ TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) {
     if (verdicts[i].ok()) std::cout << c.name << " " << what[i] << ": " << out.substr(out.rfind('{'));
   }
 }
+
+}  // namespace
+
+class ShardedParity : public testing::TestWithParam<ShardedParityCase> {};
+
+TEST_P(ShardedParity, EveryStrategyEndsWherePyTorchDdpEnds) { check_case(GetParam()); }
 
 // Sizes chosen so that flat parameters need padding (143, 98, 24 at N = 3; 176, 32, 68 at N = 4), short last
 // micro-batches and accumulation groups (100 samples), and epochs crossed by --steps.
@@ -206,4 +220,71 @@ INSTANTIATE_TEST_SUITE_P(
                           {{"--strategy", "hsdp", "--replicas", "2", "--wrap", "children"},
                            {"--strategy", "hsdp-grad-op", "--replicas", "2", "--accumulate-grads", "sharded",
                             "--wrap", "list:0,3"}}}),
+    [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });
+
+// The sharded strategies against PyTorch's own FSDP on CPU with gloo (torch 2.x only): fsdp-full and hsdp against
+// FSDP2's fully_shard (hsdp on a 2-D (replicate, shard) mesh), fsdp-grad-op and fsdp-no-shard against FSDP1's
+// SHARD_GRAD_OP and NO_SHARD. float32 with SGD and momentum within 1e-5; Adam in float64 within 1e-10 (in float32
+// Adam turns the rounding of near-zero gradients into lr-sized steps). Both sides divide by N around a SUM
+// reduction, each in its own place (docs/semantics.md): equal within rounding, not bitwise.
+class FsdpParity : public testing::TestWithParam<ShardedParityCase> {};
+
+TEST_P(FsdpParity, EveryStrategyEndsWherePyTorchsFsdpEnds) {
+#if TORCH_VERSION_MAJOR < 2
+  GTEST_SKIP() << "PyTorch's FSDP on CPU needs torch 2.x; this build's reference is torch " << TORCH_VERSION;
+#endif
+  check_case(GetParam());
+}
+
+namespace {
+
+const std::vector<std::string> kFp64Adam{"--dtype", "fp64", "--optimizer", "adam"};
+
+std::vector<std::string> with(std::vector<std::string> flags, const std::vector<std::string>& more) {
+  flags.insert(flags.end(), more.begin(), more.end());
+  return flags;
+}
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(
+    PyTorchFsdp, FsdpParity,
+    testing::Values(
+        ShardedParityCase{"N3_K2_mlp_sgd_fully_shard", "mlp:10-13-7-3", "ce", 100, 3, 2, 18,
+                          {"--momentum", "0.9", "--steps", "7"},
+                          {{"--strategy", "fsdp-full", "--wrap", "children"},
+                           {"--strategy", "fsdp-full", "--accumulate-grads", "sharded", "--wrap", "params:150"}},
+                          {"--strategy", "fully-shard", "--wrap", "children"}},
+        ShardedParityCase{"N4_K3_res_adam_fp64_fully_shard", "res:9-11-3-5", "ce", 100, 4, 3, 24,
+                          with(kFp64Adam, {"--steps", "6"}),
+                          {{"--strategy", "fsdp-full", "--wrap", "type:Block"}},
+                          {"--strategy", "fully-shard", "--wrap", "type:Block"}, "1e-10"},
+        ShardedParityCase{"N2_K1_gpt_sgd_fully_shard", "gpt:17-8-12-2-3", "ce", 48, 2, 1, 8,
+                          {"--momentum", "0.9", "--steps", "5"},
+                          {{"--strategy", "fsdp-full", "--wrap", "type:Block"}},
+                          {"--strategy", "fully-shard", "--wrap", "type:Block"}},
+        ShardedParityCase{"N4_K2_mlp_sgd_fully_shard_hsdp", "mlp:10-13-7-3", "mse", 100, 4, 2, 24,
+                          {"--momentum", "0.9", "--steps", "6"},
+                          {{"--strategy", "hsdp", "--replicas", "2", "--wrap", "children"}},
+                          {"--strategy", "fully-shard-hsdp", "--replicas", "2", "--wrap", "children"}},
+        ShardedParityCase{"N4_K1_gpt_adam_fp64_fully_shard_hsdp", "gpt:17-8-12-2-3", "ce", 48, 4, 1, 16,
+                          with(kFp64Adam, {"--steps", "4"}),
+                          {{"--strategy", "hsdp", "--replicas", "2", "--wrap", "type:Block"}},
+                          {"--strategy", "fully-shard-hsdp", "--replicas", "2", "--wrap", "type:Block"}, "1e-10"},
+        ShardedParityCase{"N2_K3_mlp_sgd_fsdp1_grad_op", "mlp:10-13-7-3", "ce", 100, 2, 3, 18,
+                          {"--momentum", "0.9", "--steps", "6"},
+                          {{"--strategy", "fsdp-grad-op", "--wrap", "children"}},
+                          {"--strategy", "fsdp1-grad-op", "--wrap", "children"}},
+        ShardedParityCase{"N3_K2_res_adam_fp64_fsdp1_grad_op", "res:9-11-3-5", "ce", 100, 3, 2, 18,
+                          with(kFp64Adam, {"--steps", "6"}),
+                          {{"--strategy", "fsdp-grad-op", "--wrap", "type:Block"}},
+                          {"--strategy", "fsdp1-grad-op", "--wrap", "type:Block"}, "1e-10"},
+        ShardedParityCase{"N3_K2_gpt_sgd_fsdp1_no_shard", "gpt:17-8-12-2-3", "ce", 48, 3, 2, 12,
+                          {"--momentum", "0.9", "--steps", "4"},
+                          {{"--strategy", "fsdp-no-shard", "--wrap", "type:Block"}},
+                          {"--strategy", "fsdp1-no-shard", "--wrap", "type:Block"}},
+        ShardedParityCase{"N2_K2_res_adam_fp64_fsdp1_no_shard", "res:9-11-3-5", "mse", 100, 2, 2, 16,
+                          with(kFp64Adam, {"--steps", "5"}),
+                          {{"--strategy", "fsdp-no-shard", "--wrap", "children"}},
+                          {"--strategy", "fsdp1-no-shard", "--wrap", "children"}, "1e-10"}),
     [](const testing::TestParamInfo<ShardedParityCase>& info) { return info.param.name; });

@@ -91,10 +91,25 @@ TEST(TrainCli, BadFlagsAreRejectedWithTheValueAndWhatIsAllowed) {
                      "--accumulate-grads", "sharded"}), "it cannot reduce every micro-step");
 }
 
-TEST(TrainCli, VersionNamesThePackageVersion) {
+// --version names gradsync, the libtorch it runs on (the reference Python's torch: the same release), Open MPI, the
+// backends, and CUDA as the reference's torch has it (a CUDA wheel: compiled in; Debian's: not).
+TEST(TrainCli, VersionNamesGradsyncLibtorchMpiBackendsAndCuda) {
   auto r = t::run({GRADSYNC_BIN, "--version"}, quick());
   ASSERT_TRUE(r.ok()) << r.describe();
-  EXPECT_EQ(r.out, "gradsync 0.2.0\n");
+  auto torch = t::run({kPython, "-c",
+                       "import torch; v = torch.__version__.split('.'); "
+                       "print(v[0] + '.' + v[1], 'cuda' if torch.version.cuda else 'cpu')"},
+                      quick());
+  ASSERT_TRUE(torch.ok()) << torch.describe();
+  const std::string major_minor = torch.out.substr(0, torch.out.find(' '));
+  const bool cuda = torch.out.find("cuda") != std::string::npos;
+  EXPECT_EQ(r.out.rfind("gradsync 0.2.0\nlibtorch " + major_minor + ".", 0), 0u) << r.out << " vs " << torch.out;
+  EXPECT_NE(r.out.find("\nMPI: Open MPI v4."), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\nbackends: gloo, mpi\n"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find(cuda ? "\nCUDA: compiled in (CUDA runtime " : "\nCUDA: not compiled in"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.back(), '\n');
+  EXPECT_NE(r.out.substr(r.out.size() - 2), "\n\n") << "no empty line at the end";
 }
 
 TEST(TrainCli, InitStateMismatchListsTheKeys) {

@@ -2,6 +2,7 @@
 // and a gradsync DDP model after every step (SGD with momentum and weight decay, Adam; K micro-batches; N = 1..4,
 // flat sizes that do not divide by N), hold 1/N of DDP's optimizer state, resume bit-identically from a sharded
 // checkpoint, and clip like clip_grad_norm_ on unsharded gradients.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "gradsync/engine.h"
@@ -101,6 +102,9 @@ struct ZeroCase {
   int world;
   std::vector<std::string> configs;
 };
+
+// ctest lists the parameter next to the test name: the world size and the configurations, not the struct's bytes.
+void PrintTo(const ZeroCase& c, std::ostream* os) { *os << fmt::format("N={} {}", c.world, fmt::join(c.configs, " ")); }
 
 class Zero1Equivalence : public testing::TestWithParam<ZeroCase> {};
 

@@ -34,7 +34,12 @@ int main(int argc, char** argv) {
   keep_freed_memory_for_reuse();
   CLI::App app{"gradsync: data-parallel training for libtorch with declared gradient semantics"};
   // gradsync's, libtorch's and MPI's versions, the backends, CUDA: asked only when --version is given.
-  app.set_version_flag("--version", [] { return gradsync::describe(gradsync::build_info()); },
+  // CLI11 ends the text with its own newline.
+  app.set_version_flag("--version", [] {
+    auto text = gradsync::describe(gradsync::build_info());
+    text.pop_back();
+    return text;
+  },
                        "print gradsync's, libtorch's and MPI's versions, the backends and CUDA, then exit");
   app.require_subcommand(1);
   int exit_code = 0;

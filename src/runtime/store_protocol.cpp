@@ -8,11 +8,7 @@
 namespace gradsync {
 namespace {
 
-// What a request asks, whichever client generation numbered it (see store_protocol.h).
-enum class Op {
-  kValidate, kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kNumKeys, kWatch, kDelete, kAppend, kMultiGet, kMultiSet,
-  kCancelWait, kPing, kUnsupported
-};
+using Op = StoreOp;
 enum Watch : uint8_t { kUpdated, kCreated, kDeleted, kRegistered };
 constexpr uint8_t kReady = 0, kNotReady = 1, kStopWaiting = 0, kWaitCanceled = 1;
 constexpr uint32_t kValidationMagic = 0x3C85F7CE;  // the first request of a 2.x client: VALIDATE and this number
@@ -135,32 +131,15 @@ Parse StoreState::handle_one(uint64_t connection, const std::vector<uint8_t>& in
       return r.status;
     }
     case Op::kSet:
-    case Op::kAppend: {
-      auto k = r.key();
-      auto v = r.bytes(limits_.max_value_bytes);
-      if (!r.ok()) return r.status;
-      if (op == Op::kAppend) return append(k, v) ? r.status : Parse::Malformed;  // over the value limit
-      set(k, std::move(v));
-      return r.status;
-    }
+    case Op::kAppend:
+    case Op::kCompareSet:
+    case Op::kAdd:
+      return write(connection, r, op);
     case Op::kMultiSet:
       return multi_set(r);
-    case Op::kCompareSet: {
-      auto k = r.key();
-      auto expected = r.bytes(limits_.max_value_bytes);
-      auto desired = r.bytes(limits_.max_value_bytes);
-      if (r.ok()) compare_set(connection, k, expected, desired);
-      return r.status;
-    }
     case Op::kGet:
     case Op::kMultiGet:
       return get(connection, r, op == Op::kMultiGet);
-    case Op::kAdd: {
-      auto k = r.key();
-      auto delta = r.value<int64_t>();
-      if (r.ok() && !add(connection, k, delta)) return Parse::Malformed;  // the key holds no number
-      return r.status;
-    }
     case Op::kCheck:
     case Op::kWait: {
       auto list = r.keys();
@@ -190,6 +169,26 @@ Parse StoreState::handle_one(uint64_t connection, const std::vector<uint8_t>& in
       return Parse::Malformed;
   }
   return Parse::Malformed;
+}
+
+// SET, APPEND, COMPARE_SET and ADD: one key written.
+Parse StoreState::write(uint64_t connection, Reader& r, Op op) {
+  auto k = r.key();
+  if (op == Op::kAdd) {
+    auto delta = r.value<int64_t>();
+    if (r.ok() && !add(connection, k, delta)) return Parse::Malformed;  // the key holds no number
+    return r.status;
+  }
+  auto v = r.bytes(limits_.max_value_bytes);
+  if (op == Op::kCompareSet) {
+    auto desired = r.bytes(limits_.max_value_bytes);
+    if (r.ok()) compare_set(connection, k, v, desired);
+    return r.status;
+  }
+  if (!r.ok()) return r.status;
+  if (op == Op::kAppend) return append(k, v) ? r.status : Parse::Malformed;  // over the value limit
+  set(k, std::move(v));
+  return r.status;
 }
 
 // GET: one key's value; MULTI_GET: a count of keys, each value in turn. c10d clients wait for a key before they

@@ -21,6 +21,12 @@ namespace gradsync {
 
 enum class Parse { Incomplete, Done, Malformed, WrongToken };
 
+// What a request asks, whichever client generation numbered it (1.13's or 2.x's query numbers).
+enum class StoreOp {
+  kValidate, kSet, kCompareSet, kGet, kAdd, kCheck, kWait, kNumKeys, kWatch, kDelete, kAppend, kMultiGet, kMultiSet,
+  kCancelWait, kPing, kUnsupported
+};
+
 struct StoreLimits {
   size_t max_key_bytes = 4096;
   size_t max_value_bytes = size_t{64} << 20;
@@ -45,6 +51,7 @@ class StoreState {
   Parse dialect_of(uint64_t connection, const std::vector<uint8_t>& in, size_t pos, bool& v2);
   Parse get(uint64_t connection, Reader& r, bool many);
   Parse multi_set(Reader& r);
+  Parse write(uint64_t connection, Reader& r, StoreOp op);
   bool append(const std::string& key, const std::vector<uint8_t>& more);  // false: over the value limit
   Parse handle_one(uint64_t connection, const std::vector<uint8_t>& in, size_t& pos);
   void compare_set(uint64_t connection, const std::string& key, const std::vector<uint8_t>& expected,

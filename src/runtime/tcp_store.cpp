@@ -11,6 +11,7 @@
 
 #include "gradsync/error.h"
 #include "runtime/store_server.h"
+#include "runtime/tcp_probe.h"
 #include "torch_compat.h"
 
 namespace gradsync {
@@ -121,12 +122,21 @@ c10::intrusive_ptr<c10d::Store> open_tcp_store(const LaunchEnv& env, std::chrono
     options.request_timeout = std::min<std::chrono::milliseconds>(timeout, std::chrono::seconds(10));
     server = std::make_shared<StoreServer>(options);  // throws naming host:port (a port in use)
   }
+  // gradsync waits for the server itself, then gives c10d's client what is left of the timeout: 2.x's client
+  // retries with a back-off of its own past the timeout asked for (3 s became 5 to 8 s) and logs every attempt
+  // with a backtrace.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (const auto error = wait_until_accepting(env.master_addr, env.master_port, deadline); !error.empty()) {
+    throw DistributedError(fmt::format("rank {} of {}: cannot connect to the rendezvous store at {} within {} ms: {} "
+                                       "(the store's server has not started, has exited, or MASTER_ADDR/MASTER_PORT "
+                                       "do not point to it)", env.rank, env.world_size, where, timeout.count(), error));
+  }
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(env.master_port);
   options.isServer = false;
   options.numWorkers = env.world_size;
   options.waitWorkers = false;  // gradsync's rendezvous waits, and names the ranks that never came
-  options.timeout = timeout;
+  options.timeout = timeout;  // every later request's timeout too
   c10::intrusive_ptr<c10d::Store> client;
   try {
     client = c10::make_intrusive<c10d::TCPStore>(env.master_addr, options);
