@@ -1,12 +1,11 @@
 # One-command entry points. `make demo` and `make test` work on a fresh Debian 12 machine.
 #
 # TORCH picks the libtorch line (both are installed by scripts/install-deps.sh):
-#   debian (default for now) Debian 12's libtorch-dev 1.13.1 and python3-torch; build directory build-debian/
-#   pip    torch==$(TORCH_VERSION) from the Python package index, in a virtual environment at $(VENV): its C++ SDK
-#          builds gradsync and its Python is the tests' reference; build directory build/. It becomes the default
-#          once the whole suite passes on it (.ci/run runs the part that does).
+#   pip    (default) torch==$(TORCH_VERSION) from the Python package index, in a virtual environment at $(VENV): its
+#          C++ SDK builds gradsync and its Python is the tests' reference; build directory build/
+#   debian Debian 12's libtorch-dev 1.13.1 and python3-torch; build directory build-debian/
 # TESTS=REGEX runs only the tests whose names match (ctest -R).
-TORCH ?= debian
+TORCH ?= pip
 TORCH_VERSION ?= 2.11.0
 VENV ?= $(HOME)/.cache/gradsync/venv-torch-$(TORCH_VERSION)
 ifeq ($(TORCH),debian)

@@ -3,7 +3,7 @@
 strategy and backend against one PyTorch run, and a python3 process per check spent most of its time importing
 torch.
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage: compare_many.py JOBS.json
   JOBS.json: [{"tool": "states" | "optim", "args": [the tool's own arguments]}, ...]

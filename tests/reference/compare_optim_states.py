@@ -4,7 +4,7 @@
 larger |entry| (plus --atol), and the same parameter groups (the same names, in any order, and equal
 hyperparameters where both files have them). Prints one JSON line; exit status 0 when they agree, 1 otherwise.
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage: compare_optim_states.py OURS THEIRS [--rtol R] [--atol A]
 """

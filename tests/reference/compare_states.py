@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Compares two saved state dicts (torch.save of a dict of tensors) key by key.
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage:
   compare_states.py A B [--rtol 1e-5] [--atol 1e-7] [--expect-different]

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Reference for gradsync's uneven-input join: real PyTorch DDP inside torch.distributed.algorithms.join.Join.
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3 (python3-torch 1.13).
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage:
   join_reference.py --model SPEC --data FILE --init-state FILE --batches C0,C1,...,C{N-1}

@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Writes a random test case for gradsync: a data set file and a matching initial model state.
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage:
   make_case.py --model SPEC --n N --loss ce|mse --seed S --data-out FILE --state-out FILE

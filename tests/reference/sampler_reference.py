@@ -2,7 +2,7 @@
 """Prints the indices real torch.utils.data.DistributedSampler gives every rank (optionally batched by a
 real torch.utils.data.DataLoader).
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage:
   sampler_reference.py --n N --replicas R --seed S --epoch E [--no-shuffle] [--drop-last]

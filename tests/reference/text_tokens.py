@@ -2,7 +2,7 @@
 """Writes the byte-level token data set of a text data spec as a data file, for comparing gradsync's C++
 tokeniser with the reference bit for bit.
 
-Reference tooling (real PyTorch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (real PyTorch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
 Usage:
   text_tokens.py --data SPEC --context T --out FILE

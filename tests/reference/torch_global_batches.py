@@ -2,7 +2,7 @@
 """One process trained on exactly the global batches that N data-parallel ranks form — the reference for
 gradsync's GlobalMean reduction, in real PyTorch.
 
-Reference tooling (python3-torch), never part of the product. Run with /usr/bin/python3.
+Reference tooling (python3-torch), never part of the product. Run with the build's reference Python (GRADSYNC_PYTHON).
 
     torch_global_batches.py --model SPEC --data FILE --global-batch B --ranks N [--accumulate K] [--no-pad]
                             [--optimizer sgd|adam] [--lr F] [--momentum F] [--loss ce|mse]
