@@ -3,6 +3,7 @@
 // asserted here (this machine's times drift); docs/performance.md holds the measurements.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/version.h>
 
 #include "support/subprocess.h"
 
@@ -41,6 +42,7 @@ TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
     ASSERT_TRUE(r.ok()) << r.describe();
     auto j = json_of(r);
     EXPECT_EQ(j["config"]["backend"], backend);
+    EXPECT_EQ(j["pytorch"]["recipe"], "ddp");
     expect_side(j.at("gradsync"), 16, "gradsync");
     expect_side(j.at("pytorch"), 16, "pytorch");
     const double ratio = j.at("ratio");
@@ -120,18 +122,30 @@ TEST(Bench, EveryStrategyRunsAndAPlotIsWritten) {
   }
 }
 
-// The convolutional and the residual (non-Sequential) models, on both sides: PyTorch builds the same modules.
-TEST(Bench, CnnAndResRunOnBothSides) {
+// The convolutional and the residual (non-Sequential) models, on both sides: PyTorch builds the same modules, and
+// against fsdp-full runs its fully_shard on the same units. A torch 1.x reference has no fully_shard: there the
+// models meet PyTorch's DDP, and fsdp-full's comparison must stop with an error that says why.
+TEST(Bench, CnnAndResRunOnBothSidesAndFsdpFullMeetsFullyShard) {
+  const bool has_fully_shard = TORCH_VERSION_MAJOR >= 2;
   for (const char* model : {"cnn:2-3-10", "res:32-16-2-4"}) {
-    auto r = t::run({GRADSYNC_BIN, "bench", "--model", model, "--per-rank-batch", "4", "--world-size", "2",
-                     "--strategy", "fsdp-full", "--steps", "2", "--warmup", "1", "--repeats", "2", "--compare-pytorch",
-                     "--json"},
-                    within(120));
+    std::vector<std::string> argv{GRADSYNC_BIN, "bench", "--model", model, "--per-rank-batch", "4", "--world-size",
+                                  "2", "--steps", "2", "--warmup", "1", "--repeats", "2", "--compare-pytorch", "--json"};
+    if (has_fully_shard) argv.insert(argv.end(), {"--strategy", "fsdp-full", "--wrap", "children"});
+    auto r = t::run(argv, within(120));
     ASSERT_TRUE(r.ok()) << r.describe();
     auto j = json_of(r);
     EXPECT_EQ(j["config"]["model"], model);
+    EXPECT_EQ(j["pytorch"]["recipe"], has_fully_shard ? "fully_shard" : "ddp");
     expect_side(j.at("gradsync"), 8, "gradsync");
     expect_side(j.at("pytorch"), 8, "pytorch");
+    EXPECT_GT(j["pytorch"]["bytes_sent_per_step"].get<double>(), 0.0) << "PyTorch's side moved nothing";
+  }
+  if (!has_fully_shard) {
+    auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:8-8-4", "--per-rank-batch", "4", "--world-size", "2",
+                     "--strategy", "fsdp-full", "--steps", "1", "--warmup", "0", "--repeats", "1", "--compare-pytorch"},
+                    within(120));
+    EXPECT_NE(r.exit_code, 0) << r.describe();
+    EXPECT_NE(r.err.find("fully_shard on CPU needs torch 2.x"), std::string::npos) << r.describe();
   }
 }
 
@@ -169,6 +183,12 @@ TEST(Bench, BadFlagsAreNamedBeforeAnythingRuns) {
   EXPECT_NE(wrap.exit_code, 0);
   EXPECT_NE(wrap.err.find("--wrap"), std::string::npos) << wrap.describe();
   EXPECT_EQ(wrap.err.find("[bench] run"), std::string::npos) << "refused only after a run started: " << wrap.describe();
+  // fully_shard has no units grouped by size: against it params:N is refused, naming what it takes.
+  auto grouped = t::run({GRADSYNC_BIN, "bench", "--strategy", "fsdp-full", "--wrap", "params:1000",
+                         "--compare-pytorch"}, within(30));
+  EXPECT_NE(grouped.exit_code, 0);
+  EXPECT_NE(grouped.err.find("--wrap params:1000: PyTorch's fully_shard"), std::string::npos) << grouped.describe();
+  EXPECT_EQ(grouped.err.find("[bench] run"), std::string::npos) << grouped.describe();
   auto floor = t::run({GRADSYNC_BIN, "bench", "--strategy", "local", "--floor"}, within(30));
   EXPECT_NE(floor.exit_code, 0);
   EXPECT_NE(floor.err.find("--floor runs a local process per rank"), std::string::npos) << floor.describe();

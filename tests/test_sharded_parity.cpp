@@ -267,6 +267,12 @@ INSTANTIATE_TEST_SUITE_P(
                           {"--momentum", "0.9", "--steps", "6"},
                           {{"--strategy", "hsdp", "--replicas", "2", "--wrap", "children"}},
                           {"--strategy", "fully-shard-hsdp", "--replicas", "2", "--wrap", "children"}},
+        // Six ranks, R = 3 replicas of S = 2: PyTorch divides by 2 in the shard group and by 3 across replicas,
+        // gradsync by 6 once (docs/semantics.md, PyTorch 2.x's fully_shard): the printed max_rel is what that costs.
+        ShardedParityCase{"N6_K1_res_sgd_fully_shard_hsdp_R3", "res:9-11-3-5", "ce", 96, 6, 1, 24,
+                          {"--momentum", "0.9", "--steps", "5"},
+                          {{"--strategy", "hsdp", "--replicas", "3", "--wrap", "children"}},
+                          {"--strategy", "fully-shard-hsdp", "--replicas", "3", "--wrap", "children"}},
         ShardedParityCase{"N4_K1_gpt_adam_fp64_fully_shard_hsdp", "gpt:17-8-12-2-3", "ce", 48, 4, 1, 16,
                           with(kFp64Adam, {"--steps", "4"}),
                           {{"--strategy", "hsdp", "--replicas", "2", "--wrap", "type:Block"}},

@@ -1,12 +1,14 @@
 #!/usr/bin/python3
 """Reference trainer for gradsync: real PyTorch (DDP) with the same contract as `gradsync train`.
 
-This is the *reference* the C++ product is tested against, never part of the product. Run it only with
-Debian's /usr/bin/python3 (python3-torch 1.13).
+This is the *reference* the C++ product is tested against, never part of the product. Run it with the build's
+reference Python (GRADSYNC_PYTHON: the torch 2.11 virtual environment by default, /usr/bin/python3 with Debian's
+python3-torch 1.13 under TORCH=debian).
 
 Usage:
   torch_train.py --model SPEC --data SPEC --global-batch B [--accumulate K] [--world-size N]
-                 [--strategy local|ddp] [--optimizer sgd|adam] [--lr F] [--momentum F]
+                 [--strategy local|ddp|fully-shard|fully-shard-hsdp|fsdp1-grad-op|fsdp1-no-shard]
+                 [--wrap none|children|type:T[,U]|list:A[,B]] [--replicas R] [--optimizer sgd|adam] [--lr F] [--momentum F]
                  [--weight-decay F] [--loss ce|mse] [--loss-reduction mean|sum]
                  [--steps S | --epochs E] [--seed S] [--shuffle | --no-shuffle]
                  [--init-state FILE] [--save-state FILE] [--log FILE.jsonl] [--comm-hook none|fp16]
@@ -46,6 +48,9 @@ Semantics (mirrored by the C++ side):
     float32 into the gradients. --comm-hook none (default) is DDP's own reduction: each gradient times
     1/N in float32, then a float32 SUM all-reduce. (bf16 is refused: torch 1.13's bf16_compress_hook
     needs CUDA 11+ and NCCL 2.10+, so it cannot run on gloo/CPU.)
+  * --strategy fully-shard|fully-shard-hsdp|fsdp1-grad-op|fsdp1-no-shard (torch 2.x): PyTorch's own FSDP on
+    CPU with gloo instead of DDP, units chosen by --wrap, hsdp's replica groups by --replicas; the same
+    schedule, losses and no-sync accumulation; saved states gathered in full (torch_fsdp.py).
   * --freeze PREFIX: parameters whose state-dict names start with a prefix get requires_grad=False before
     DDP wraps the model (DDP then neither hooks nor reduces them); --no-decay-1d: the optimizer gets two
     parameter groups, the parameters of more than one dimension with --weight-decay, the others (biases,
@@ -119,6 +124,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import UsageError, check_gpt_sizes, make_gpt  # noqa: E402  (UsageError is defined in gpt.py)
+import torch_fsdp  # noqa: E402
 
 PROG = "torch_train.py"
 DEFAULT_FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
@@ -499,7 +505,12 @@ def build_parser():
     p.add_argument("--accumulate", type=int, default=1, metavar="K", help="micro-batches per step (1)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="expected world size; must equal $WORLD_SIZE")
-    p.add_argument("--strategy", choices=["local", "ddp"], default="ddp")
+    p.add_argument("--strategy", choices=["local", "ddp", *torch_fsdp.STRATEGIES], default="ddp",
+                   help="local, ddp (DistributedDataParallel) or PyTorch's FSDP (torch_fsdp.py; torch 2.x)")
+    p.add_argument("--wrap", default="none", metavar="SPEC",
+                   help="FSDP units: none (default), children, type:T[,U] or list:A[,B] (torch_fsdp.py)")
+    p.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="fully-shard-hsdp: replica groups of N/R shards each (1)")
     p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (sgd 0.01, adam 1e-3)")
     p.add_argument("--momentum", type=float, default=None, help="SGD momentum (0)")
@@ -561,6 +572,14 @@ def validate(args, env_world):
         raise UsageError(f"--comm-hook must be none or fp16, got {args.comm_hook!r}")
     if args.comm_hook != "none" and args.strategy != "ddp":
         raise UsageError(f"--comm-hook {args.comm_hook} applies to --strategy ddp only")
+    fsdp = args.strategy in torch_fsdp.STRATEGIES
+    if fsdp and int(torch.__version__.split(".")[0]) < 2:
+        raise UsageError(f"--strategy {args.strategy} is PyTorch's FSDP on CPU, which needs torch 2.x; this "
+                         f"Python has torch {torch.__version__}")
+    if not fsdp and args.wrap != "none":
+        raise UsageError(f"--wrap {args.wrap} applies to the FSDP strategies {', '.join(torch_fsdp.STRATEGIES)}")
+    if args.replicas != 1 and args.strategy != "fully-shard-hsdp":
+        raise UsageError(f"--replicas {args.replicas} applies to --strategy fully-shard-hsdp only")
     if args.strategy == "local":
         if args.world_size is not None and args.world_size != 1:
             raise UsageError(f"--strategy local is single-process; --world-size {args.world_size} "
@@ -667,6 +686,8 @@ def check_token_means(Y, world, shuffle, seed, b, K, micro_per_epoch, steps_per_
 
 def train(args, world, X, Y, tmpdir):
     ddp = args.strategy == "ddp"
+    fsdp = args.strategy in torch_fsdp.STRATEGIES
+    distributed = ddp or fsdp
     gpt = parse_model_spec(args.model)[0] == "gpt"
     torch.manual_seed(args.seed)
     module = build_model(args.model)
@@ -689,9 +710,17 @@ def train(args, world, X, Y, tmpdir):
     if gpt and args.loss_reduction == "mean":
         check_token_means(Y, world, args.shuffle, args.seed, b, K, micro_per_epoch, steps_per_epoch, total_steps)
 
+    units = []
+    if fsdp:
+        try:
+            units = torch_fsdp.units(module, args.wrap)
+            torch_fsdp.check_replicas(args.strategy, world, args.replicas)
+        except torch_fsdp.WrapError as e:
+            raise UsageError(str(e))
+
     # The process group starts only after every input was validated, so bad inputs fail fast on all ranks.
     rank = 0
-    if ddp:
+    if distributed:
         if "RANK" in os.environ:
             dist.init_process_group("gloo")  # env:// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
         else:
@@ -700,6 +729,11 @@ def train(args, world, X, Y, tmpdir):
         rank = dist.get_rank()
         assert dist.get_world_size() == world, (dist.get_world_size(), world)
     model = DistributedDataParallel(module) if ddp else module
+    if fsdp:
+        model = torch_fsdp.wrap(module, args.strategy, units, world, args.replicas)
+
+    def no_sync(m):
+        return torch_fsdp.without_reduction(m, args.strategy) if fsdp else m.no_sync()
     if ddp and args.comm_hook == "fp16":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     model.train()
@@ -730,8 +764,8 @@ def train(args, world, X, Y, tmpdir):
                 loss_sum, samples = 0.0, 0
                 for j in range(group):
                     x, y = next(it)
-                    sync = (not ddp) or j == group - 1
-                    with (contextlib.nullcontext() if sync else model.no_sync()):
+                    sync = (not distributed) or j == group - 1
+                    with (contextlib.nullcontext() if sync else no_sync(model)):
                         try:
                             out = model(x)
                         except ValueError as e:
@@ -753,7 +787,7 @@ def train(args, world, X, Y, tmpdir):
                 optimizer.zero_grad()
                 done += group
                 if args.log:
-                    if ddp:
+                    if distributed:
                         t = torch.tensor([loss_sum, float(samples)], dtype=torch.float64)
                         dist.all_reduce(t, op=dist.ReduceOp.SUM)
                         loss_sum, samples = float(t[0]) / world, int(round(float(t[1])))
@@ -768,14 +802,25 @@ def train(args, world, X, Y, tmpdir):
         if log is not None:
             log.close()
 
-    if args.save_state and rank == 0:
-        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.save_state)
-    if args.save_optim and rank == 0:
-        torch.save(named_optim_state(module, optimizer), args.save_optim)
-    if ddp:
+    save_results(args, rank, module, model, optimizer)
+    if distributed:
         dist.barrier()  # every rank has written what it writes
         # No teardown at all: torch 1.13's can deadlock (below), also without a comm hook when the machine is busy.
         exit_without_destructors(tmpdir)
+
+
+def save_results(args, rank, module, model, optimizer):
+    """--save-state and --save-optim on rank 0; under FSDP every rank takes part in gathering them."""
+    if args.strategy in torch_fsdp.STRATEGIES:
+        state = torch_fsdp.full_state(model) if args.save_state else None
+        optim = torch_fsdp.full_optim_state(model, optimizer) if args.save_optim else None
+    else:
+        state = {k: v.detach().clone() for k, v in module.state_dict().items()} if args.save_state else None
+        optim = named_optim_state(module, optimizer) if args.save_optim and rank == 0 else None
+    if state is not None and rank == 0:
+        torch.save(state, args.save_state)
+    if optim is not None and rank == 0:
+        torch.save(optim, args.save_optim)
 
 
 def load_init_state(module, path, model):

@@ -67,7 +67,8 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--warmup", c->warmup, "unmeasured steps first (default 5)")->check(CLI::Range(0, 1000000));
   cmd->add_option("--repeats", c->repeats, "runs per side, interleaved (default 5)")->check(CLI::Range(1, 1000));
   cmd->add_flag("--compare-pytorch", c->compare_pytorch,
-                "also run PyTorch's DDP (Gloo) on the same model, batch, threads and world size");
+                "also run PyTorch on the same model, batch, threads and world size, interleaved: its DDP (Gloo), "
+                "for fsdp-full its fully_shard on the same --wrap units (torch 2.x)");
   cmd->add_option("--python", c->python, "the Python whose torch --compare-pytorch runs (default: " GRADSYNC_PYTHON
                   ", the torch of the libtorch gradsync was built against)")
       ->check(CLI::ExistingFile);

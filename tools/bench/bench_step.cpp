@@ -45,6 +45,11 @@ void validate(const BenchConfig& c) {
                                   "and a data-parallel strategy, not --model {} with --strategy {}", c.model,
                                   c.strategy));
   }
+  if (c.compare_pytorch && c.strategy == "fsdp-full" && c.wrap.rfind("params:", 0) == 0) {
+    throw ConfigError(fmt::format("--wrap {}: PyTorch's fully_shard, which --compare-pytorch runs for fsdp-full, has "
+                                  "no units grouped by size; use --wrap children, type:T[,U] or list:A[,B], or no "
+                                  "--wrap (gradsync's default units, PyTorch's root alone)", c.wrap));
+  }
   if (c.wrap.empty()) return;
   if (c.strategy == "local" || c.strategy == "ddp") {
     throw ConfigError(fmt::format("--wrap applies to --strategy fsdp-full, fsdp-grad-op, fsdp-no-shard or zero1, "
@@ -154,7 +159,13 @@ void run_floor(const BenchConfig& c, const TempDir& dir, int run, StepStats& sta
   add_run(stats, steps);
 }
 
-// One PyTorch job (DDP over Gloo, or one process for --strategy local).
+// What the PyTorch side runs: fully_shard against fsdp-full, DDP against every other distributed strategy.
+std::string pytorch_recipe(const BenchConfig& c) {
+  if (c.strategy == "local") return "local";
+  return c.strategy == "fsdp-full" ? "fully_shard" : "ddp";
+}
+
+// One PyTorch job (pytorch_recipe(): DDP or fully_shard over Gloo, or one process for --strategy local).
 void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& stats) {
   const int n = ranks_of(c);
   const std::string script = dir.file("pytorch_ddp.py");
@@ -164,7 +175,9 @@ void run_pytorch(const BenchConfig& c, const TempDir& dir, int run, StepStats& s
                                 "--model", c.model, "--per-rank-batch", std::to_string(c.per_rank_batch), "--steps",
                                 std::to_string(c.steps), "--warmup", std::to_string(c.warmup), "--threads",
                                 std::to_string(c.threads), "--out", result};
-  if (c.strategy != "local") argv.push_back("--ddp");
+  if (pytorch_recipe(c) == "ddp") argv.push_back("--ddp");
+  // No --wrap: gradsync's default units (one unit while the model is below kDefaultUnitParams), PyTorch's root.
+  if (pytorch_recipe(c) == "fully_shard") argv.insert(argv.end(), {"--fully-shard", c.wrap.empty() ? "none" : c.wrap});
   run_job(c, argv, dir.file(fmt::format("pytorch-{}.out", run)), fmt::format("PyTorch ({})", c.python).c_str());
   std::ifstream in(result);
   auto j = nlohmann::json::parse(in);
@@ -193,8 +206,8 @@ double over_floor(const StepStats& side, const StepStats& floor) {
 
 void print_table(const BenchConfig& c, const Measured& m) {
   fmt::print("gradsync bench: {} x{} ranks, {} per rank, {} thread(s), strategy {}, backend {}; {} runs x {} steps "
-             "(+{} warm-up)\n", c.model, ranks_of(c), c.per_rank_batch, c.threads, c.strategy, c.backend, c.repeats,
-             c.steps, c.warmup);
+             "(+{} warm-up){}\n", c.model, ranks_of(c), c.per_rank_batch, c.threads, c.strategy, c.backend, c.repeats,
+             c.steps, c.warmup, c.compare_pytorch ? fmt::format("; pytorch: {} on gloo", pytorch_recipe(c)) : "");
   const bool tokens = tokens_per_sample(c) > 1;
   fmt::print("  {:<10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>12}\n", "", "min ms", "median ms", "max ms",
              tokens ? "tokens/s" : "samples/s", "peak RSS MiB", "sent/step");
@@ -237,6 +250,7 @@ nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
   if (c.compare_pytorch) {
     out["pytorch"] = side_json(m.pytorch, c);
     out["pytorch"]["backend"] = "gloo";
+    out["pytorch"]["recipe"] = pytorch_recipe(c);
     out["ratio"] = median(m.gradsync.step_seconds) / median(m.pytorch.step_seconds);
     out["run_ratios"] = run_ratios(m.gradsync, m.pytorch);
   }

@@ -1,7 +1,7 @@
-// The python3-torch side of `gradsync bench --compare-pytorch` (see bench.h): PyTorch's DDP recipe on the same
-// model, per-rank batch, threads and world size, each step timed as `gradsync train` times its steps (forward,
-// backward, optimizer step, zero_grad, the loss read back). python3-torch is a reference, never a dependency:
-// only this flag runs it.
+// The python3-torch side of `gradsync bench --compare-pytorch` (see bench.h): PyTorch's DDP recipe, or for
+// fsdp-full its FSDP2 `fully_shard` on the same units (torch 2.x), on the same model, per-rank batch, threads and
+// world size, each step timed as `gradsync train` times its steps (forward, backward, optimizer step, zero_grad, the
+// loss read back). python3-torch is a reference, never a dependency: only this flag runs it.
 #include "bench/bench.h"
 
 namespace gradsync::cli {
@@ -101,6 +101,37 @@ def build(spec):
             layers.append(nn.ReLU())
     return nn.Sequential(*layers), sizes
 
+def units(model, spec):
+    """The submodules fully_shard wraps before the root, by gradsync's --wrap names (children, type:, list:)."""
+    trainable = lambda m: any(q.requires_grad for q in m.parameters())
+    if spec == "none":
+        return []
+    if spec == "children":
+        def elements(m, prefix):
+            if isinstance(m, (nn.Sequential, nn.ModuleList)):
+                return list(m.children())
+            return [e for c in m.children() for e in elements(c, prefix)]
+        return [m for m in (elements(model, "") or list(model.children())) if trainable(m)]
+    kind, _, names = spec.partition(":")
+    wanted = set(names.split(","))
+    if kind == "type":
+        def typed(m):
+            return [c for c in m.children() for c in ([c] if type(c).__name__ in wanted else typed(c))]
+        return [m for m in typed(model) if trainable(m)]
+    if kind == "list":
+        return [m for n, m in model.named_modules() if n in wanted]
+    raise SystemExit(f"pytorch_ddp.py: --fully-shard {spec!r}: expected none, children, type:T[,U] or list:A[,B]")
+
+def fully_shard_model(model, spec):
+    if int(torch.__version__.split(".")[0]) < 2:
+        raise SystemExit(f"pytorch_ddp.py: fully_shard on CPU needs torch 2.x, this is torch {torch.__version__}")
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for unit in reversed(units(model, spec)):
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
 def main():
     p = argparse.ArgumentParser()
     for name in ("--model", "--out"):
@@ -108,14 +139,18 @@ def main():
     for name in ("--per-rank-batch", "--steps", "--warmup", "--threads"):
         p.add_argument(name, type=int, required=True)
     p.add_argument("--ddp", action="store_true")
+    p.add_argument("--fully-shard", metavar="UNITS", default=None)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model, sizes = build(a.model)
     rank = 0
-    if a.ddp:
+    if a.ddp or a.fully_shard is not None:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-        model = nn.parallel.DistributedDataParallel(model)
+        if a.fully_shard is not None:
+            model = fully_shard_model(model, a.fully_shard)
+        else:
+            model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(rank)
     gpt = a.model.startswith("gpt:")
@@ -142,7 +177,7 @@ def main():
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump({"step_seconds": times, "sent": sent, "rss_peak": peak_rss()}, f)
-    if a.ddp:
+    if a.ddp or a.fully_shard is not None:
         dist.barrier()
         dist.destroy_process_group()
 
