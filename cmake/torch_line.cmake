@@ -42,6 +42,17 @@ if(Torch_VERSION VERSION_GREATER_EQUAL 2)
   set(GRADSYNC_PC_LINK_FIRST "-Wl,--push-state,--no-as-needed -lstdc++ -Wl,--pop-state")
 endif()
 
+# A wheel's libtorch_cuda.so finds its NCCL (and cuDNN, ...) in the wheel's nvidia/*/lib through its own RPATH, but
+# the linker searches the -rpath directories CUDA's CMake adds first, and /usr/local/cuda/lib holds the toolkit's
+# NCCL: older than torch 2.15's (undefined ncclCommGrow, ncclCommSuspend, ... at link time). The wheel's directories
+# come first for the link as they do at run time.
+file(GLOB _gradsync_wheel_libs LIST_DIRECTORIES true ${TORCH_INSTALL_PREFIX}/../nvidia/*/lib)
+foreach(dir ${_gradsync_wheel_libs})
+  get_filename_component(dir ${dir} ABSOLUTE)
+  list(APPEND GRADSYNC_TORCH_LINK_OPTIONS "-Wl,-rpath-link,${dir}")
+  string(APPEND GRADSYNC_PC_LINK_FIRST " -Wl,-rpath-link,${dir}")
+endforeach()
+
 # One fmt per program: gradsync links Debian's libfmt, and a libtorch 2.x ships fmt headers of another major version
 # in its include directory, which the compiler would otherwise find first. Every gradsync target (the directory
 # property reaches tests/ and bench/ too) sees the headers of the fmt it links.
@@ -60,3 +71,13 @@ endforeach()
 # line (the wheel's own interpreter for 2.x, Debian's python3-torch for 1.13). Never linked, never imported by
 # gradsync itself.
 set(GRADSYNC_PYTHON /usr/bin/python3 CACHE FILEPATH "Python with the reference torch (tests, bench)")
+
+# The C++ standard a pkg-config consumer compiles with: the one libtorch asks of its users (2.15's TorchConfig puts
+# cxx_std_20 on the torch target and its headers stop without C++20; 2.11 and 1.13 ask C++17).
+set(GRADSYNC_PC_CXX_STD c++17)
+if(TARGET torch)
+  get_target_property(_gradsync_torch_features torch INTERFACE_COMPILE_FEATURES)
+  if(_gradsync_torch_features AND "cxx_std_20" IN_LIST _gradsync_torch_features)
+    set(GRADSYNC_PC_CXX_STD c++20)
+  endif()
+endif()

@@ -45,13 +45,14 @@ std::unique_ptr<torch::optim::SGD> optimizer_over(const torch::OrderedDict<std::
   std::vector<torch::Tensor> decay, no_decay;
   const auto shapes = model.named_parameters();
   for (const auto& p : params) (shapes[p.key()].dim() > 1 ? decay : no_decay).push_back(p.value());
-  const auto options = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.1);
+  // The defaults are the group without decay: since libtorch 2.15 a group's weight_decay(0), its type's default,
+  // is taken from the optimizer's defaults, so defaults with 0.1 would decay that group too.
+  const auto without = torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::SGDOptions>(options));
-  auto without = std::make_unique<torch::optim::SGDOptions>(options);
-  without->weight_decay(0);
-  groups.emplace_back(no_decay, std::move(without));
-  return std::make_unique<torch::optim::SGD>(std::move(groups), options);
+  auto decaying = torch::optim::SGDOptions(without).weight_decay(0.1);
+  groups.emplace_back(decay, std::make_unique<torch::optim::SGDOptions>(decaying));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::SGDOptions>(without));
+  return std::make_unique<torch::optim::SGD>(std::move(groups), without);
 }
 
 torch::OrderedDict<std::string, torch::Tensor> trainable(const torch::nn::Module& model) {

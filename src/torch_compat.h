@@ -7,8 +7,10 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/version.h>
@@ -16,6 +18,10 @@
 #define GRADSYNC_TORCH2 (TORCH_VERSION_MAJOR >= 2)
 
 namespace gradsync::compat {
+
+// What keeps a parameter's AccumulateGrad node (and the hooks on it) alive: a std::shared_ptr up to 2.1x, a
+// c10::intrusive_ptr in 2.15. Taken from grad_accumulator() itself, so no version test is needed.
+using GradAccumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // The key of a parameter's entry in torch::optim::Optimizer::state(): the parameter's TensorImpl, as a pointer
 // since 2.2, as that pointer's text before.

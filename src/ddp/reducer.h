@@ -13,6 +13,7 @@
 #include <torch/torch.h>
 
 #include "ddp/bucket.h"
+#include "engine/grad_hook.h"
 #include "engine/replica.h"
 #include "gradsync/comm_hook.h"
 #include "gradsync/ddp.h"
@@ -43,7 +44,7 @@ class Reducer {
   std::vector<std::string> names;
   std::vector<torch::Tensor> params;
   BufferSync buffers;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
+  std::vector<compat::GradAccumulator> accumulators;  // hooks live only while these do
   std::vector<Slot> slots;
   std::vector<Bucket> buckets;
   const torch::optim::Optimizer* optimizer = nullptr;

@@ -22,7 +22,7 @@ class AccumulatedHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-std::shared_ptr<torch::autograd::Node> on_gradient_accumulated(const torch::Tensor& param, std::function<void()> fn) {
+compat::GradAccumulator on_gradient_accumulated(const torch::Tensor& param, std::function<void()> fn) {
   auto accumulator = torch::autograd::impl::grad_accumulator(param);
   accumulator->add_post_hook(std::make_unique<AccumulatedHook>(std::move(fn)));
   return accumulator;

@@ -7,10 +7,12 @@
 #include <torch/torch.h>
 #include <torch/csrc/autograd/function.h>
 
+#include "torch_compat.h"
+
 namespace gradsync {
 
 // Installs `fn` as a post-hook of `param`'s AccumulateGrad node and returns the node: the hook lives only while the
 // node does, so the engine keeps it. `fn` outlives the engine inside autograd's graph: capture weak references.
-std::shared_ptr<torch::autograd::Node> on_gradient_accumulated(const torch::Tensor& param, std::function<void()> fn);
+compat::GradAccumulator on_gradient_accumulated(const torch::Tensor& param, std::function<void()> fn);
 
 }  // namespace gradsync

@@ -15,6 +15,7 @@
 
 #include <torch/torch.h>
 
+#include "engine/grad_hook.h"
 #include "engine/replica.h"
 #include "gradsync/fsdp.h"
 #include "gradsync/stats.h"
@@ -55,7 +56,7 @@ class ShardedUnits {
   std::map<std::string, size_t> unit_index;
   int64_t root = -1;  // index of the root unit, -1 when every parameter is in a unit
   BufferSync buffers;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
+  std::vector<compat::GradAccumulator> accumulators;  // hooks live only while these do
   std::unique_ptr<OrderCheck> order;
   std::unique_ptr<UnitSlots> slots;  // last member but the state below: restored before the units go
   mutable MemoryMeter meter;

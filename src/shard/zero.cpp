@@ -27,7 +27,7 @@ class Zero1Shard {
   std::vector<std::unique_ptr<FlatParam>> owned;  // one per unit (ZeroOptions::wrap), sharded; full buffers stay
   std::vector<FlatParam*> flats;                  // gathered; the same, as the pointers the helpers take
   BufferSync buffers;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // hooks live only while these do
+  std::vector<compat::GradAccumulator> accumulators;  // hooks live only while these do
   const torch::optim::Optimizer* optimizer = nullptr;
   mutable MemoryMeter meter;
   CommStats traffic;

@@ -59,12 +59,13 @@ std::unique_ptr<torch::optim::Optimizer> optimizer_over(const TrainConfig& c, En
   for (const auto& p : model->named_parameters(/*recurse=*/true)) dims[p.key()] = p.value().dim();
   std::vector<torch::Tensor> decay, no_decay;
   for (const auto& p : engine.named_parameters()) (dims.at(p.key()) <= 1 ? no_decay : decay).push_back(p.value());
-  auto without = std::make_unique<Options>(options);
-  without->weight_decay(0);
+  // Defaults without decay: libtorch >= 2.15 gives a group's default-valued option (weight_decay 0) the defaults'.
+  auto without = options;
+  without.weight_decay(0);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, std::make_unique<Options>(options));
-  groups.emplace_back(no_decay, std::move(without));
-  return std::make_unique<Optimizer>(std::move(groups), options);
+  groups.emplace_back(no_decay, std::make_unique<Options>(without));
+  return std::make_unique<Optimizer>(std::move(groups), without);
 }
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, Engine& engine, const Model& model) {
@@ -103,7 +104,6 @@ int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
   if (c.steps) return *c.steps;
   return c.epochs.value_or(1) * steps_per_epoch;
 }
-
 
 }  // namespace
 
