@@ -153,8 +153,8 @@ TEST(GptTrain, AMicroBatchWithoutAValidTokenIsRefusedByATokenMeanOnly) {
 }
 
 // --reduction global-mean on 3 ranks without padding (uneven ranks, ragged token counts, K = 2) against one process on
-// each step's sequences (gradsync's --replay-ranks, itself checked against PyTorch's): 1e-10 in float64, 1e-5 in
-// float32; the per-micro-batch token mean (DDP's default) is not.
+// each step's sequences (gradsync's --replay-ranks, itself checked against PyTorch's): 1e-10 in float64, 5e-5 in
+// float32; the per-micro-batch token mean (DDP's default) is not (more than 1e-3).
 TEST(GptTrain, GlobalMeanUnderEveryEngineIsOneProcessOnEachStepsSequences) {
   const std::string dir = make_case("gpt:23-6-12-2-2", 50);
   for (const std::string dtype : {"fp64", "fp32"}) {
@@ -179,8 +179,10 @@ TEST(GptTrain, GlobalMeanUnderEveryEngineIsOneProcessOnEachStepsSequences) {
                   "one process against PyTorch's, " + dtype);
     run("mean-" + dtype, {"--strategy", "ddp", "--world-size", "3"});
     // float32: the ranks' sums in another order round differently, and Adam's 1/sqrt(v) amplifies that where a
-    // gradient is tiny (a few elements differ by 1e-4 of themselves), so the bound is on each tensor's scale.
-    const double tolerance = dtype == "fp64" ? 1e-10 : 1e-5;
+    // gradient is tiny (a few elements differ by 1e-4 of themselves), so the bound is on each tensor's scale. How
+    // much a tensor moves depends on the CPU's float32 kernels (1.05e-5 on an AVX2-only machine, below 1e-5 with
+    // AVX-512), hence 5e-5: still 20 times below the token-mean control's 1e-3. float64 at 1e-10 is the exact proof.
+    const double tolerance = dtype == "fp64" ? 1e-10 : 5e-5;
     for (const std::string strategy : {"ddp", "fsdp-full", "fsdp-grad-op", "zero1"}) {
       std::vector<std::string> flags{"--strategy", strategy, "--world-size", "3", "--reduction", "global-mean"};
       if (strategy != "ddp") flags.insert(flags.end(), {"--wrap", "type:Block"});
