@@ -1,6 +1,7 @@
 // `gradsync bench`: the JSON a user scripts against (both sides measured in one run, the ratio of their medians),
 // `bench allreduce` on both backends, and flags refused with their name before anything runs. Speeds are not
 // asserted here (this machine's times drift); docs/performance.md holds the measurements.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <torch/version.h>
@@ -52,6 +53,13 @@ TEST(Bench, ComparesWithPyTorchInOneRunAndReportsTheRatioOfMedians) {
     for (size_t i = 0; i < 2; ++i) {  // pair i: gradsync's run i over PyTorch's run i
       EXPECT_DOUBLE_EQ(j.at("run_ratios").at(i).get<double>(), j["gradsync"]["run_medians"][i].get<double>() /
                                                                    j["pytorch"]["run_medians"][i].get<double>());
+    }
+    // Progress after each run: that run's medians, as in the JSON (printed to 0.01 ms).
+    for (int i = 0; i < 2; ++i) {
+      const auto line = fmt::format("[bench] run {}/2: median step gradsync {:.2f} ms, PyTorch {:.2f} ms;", i + 1,
+                                    1e3 * j["gradsync"]["run_medians"][i].get<double>(),
+                                    1e3 * j["pytorch"]["run_medians"][i].get<double>());
+      EXPECT_NE(r.err.find(line), std::string::npos) << line << " not in:\n" << r.err;
     }
     // Both DDPs allreduce every gradient once: (32*64+64+64*10+10) floats. Gloo's bytes are socket writes.
     const double gradient_bytes = 4.0 * (32 * 64 + 64 + 64 * 10 + 10);

@@ -18,6 +18,7 @@ Units (--wrap, gradsync's names; docs/sharding.md):
   type:T,U  every module whose class name is T or U, not descending into a match, wholly frozen ones skipped
   list:A,B  the modules of those qualified names
   none      (default) the root alone
+--reduce-dtype (fully-shard*): MixedPrecisionPolicy(reduce_dtype=...) on every unit, gradsync's --reduce-dtype.
 Accumulation: the first K'-1 micro-batches of a step run without gradient reduction (FSDP2:
 set_requires_gradient_sync(False); FSDP1: no_sync()), as DDP's no_sync(). The full state dict and the full
 optimizer state dict keyed by parameter names come from torch.distributed.checkpoint.state_dict; rank 0 saves them.
@@ -99,14 +100,21 @@ def _set_submodule(root, name, wrapped):
     setattr(root.get_submodule(parent_name) if parent_name else root, leaf, wrapped)
 
 
-def wrap(module, strategy, chosen, world, replicas):
-    """The model to train: `module` with FSDP applied on the `chosen` units (deepest first) and on itself."""
+REDUCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wrap(module, strategy, chosen, world, replicas, reduce_dtype=None):
+    """The model to train: `module` with FSDP applied on the `chosen` units (deepest first) and on itself.
+
+    reduce_dtype (fully-shard*; "fp16", "bf16", "fp32" or None): MixedPrecisionPolicy(reduce_dtype=...), the
+    gradients reduced in that dtype (gradsync's --reduce-dtype)."""
     if strategy.startswith("fully-shard"):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mesh = _mesh(strategy, world, replicas)
+        policy = MixedPrecisionPolicy(reduce_dtype=REDUCE_DTYPES[reduce_dtype] if reduce_dtype else None)
         for _, unit in reversed(chosen):
-            fully_shard(unit, mesh=mesh)
-        model = fully_shard(module, mesh=mesh)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        model = fully_shard(module, mesh=mesh, mp_policy=policy)
         _check_sharded(model, all(type(p).__name__ == "DTensor" for p in model.parameters()), strategy)
         return model
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

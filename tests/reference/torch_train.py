@@ -532,6 +532,9 @@ def build_parser():
     p.add_argument("--save-state", metavar="FILE", help="rank 0 saves the final state dict here")
     p.add_argument("--save-optim", metavar="FILE", help="rank 0 saves the optimizer state keyed by parameter names")
     p.add_argument("--log", metavar="FILE.jsonl", help="rank 0 writes one JSON line per step")
+    p.add_argument("--reduce-dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="fully-shard*: the gradient reduction dtype (MixedPrecisionPolicy(reduce_dtype=...)); "
+                        "default the parameters'")
     p.add_argument("--comm-hook", default="none", metavar="none|fp16",
                    help="DDP gradient communication hook: none (default) or fp16 (fp16_compress_hook)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
@@ -578,6 +581,8 @@ def validate(args, env_world):
                          f"Python has torch {torch.__version__}")
     if not fsdp and args.wrap != "none":
         raise UsageError(f"--wrap {args.wrap} applies to the FSDP strategies {', '.join(torch_fsdp.STRATEGIES)}")
+    if args.reduce_dtype is not None and not args.strategy.startswith("fully-shard"):
+        raise UsageError(f"--reduce-dtype {args.reduce_dtype} applies to --strategy fully-shard and fully-shard-hsdp")
     if args.replicas != 1 and args.strategy != "fully-shard-hsdp":
         raise UsageError(f"--replicas {args.replicas} applies to --strategy fully-shard-hsdp only")
     if args.strategy == "local":
@@ -730,7 +735,7 @@ def train(args, world, X, Y, tmpdir):
         assert dist.get_world_size() == world, (dist.get_world_size(), world)
     model = DistributedDataParallel(module) if ddp else module
     if fsdp:
-        model = torch_fsdp.wrap(module, args.strategy, units, world, args.replicas)
+        model = torch_fsdp.wrap(module, args.strategy, units, world, args.replicas, args.reduce_dtype)
 
     def no_sync(m):
         return torch_fsdp.without_reduction(m, args.strategy) if fsdp else m.no_sync()

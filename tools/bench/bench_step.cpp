@@ -5,6 +5,7 @@
 // each gradsync run to the PyTorch run right after it, show how far one pair of runs can stray from it. --floor adds
 // a third job per run, the compute floor (run_floor()).
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <future>
 
@@ -19,6 +20,8 @@
 
 namespace gradsync::cli {
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 // The sides of one bench, each pooled over its runs (pytorch, floor and plain_bn stay empty unless asked for).
 struct Measured {
@@ -266,6 +269,17 @@ nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
   return out;
 }
 
+// After each run: its median step per side, and the time left at the runs' mean duration so far.
+void print_run_progress(const BenchConfig& c, const Measured& m, int run, double elapsed) {
+  std::string sides = fmt::format("gradsync {:.2f} ms", 1e3 * m.gradsync.run_medians.back());
+  if (c.sync_bn) sides += fmt::format(", without --sync-bn {:.2f} ms", 1e3 * m.plain_bn.run_medians.back());
+  if (c.compare_pytorch) sides += fmt::format(", PyTorch {:.2f} ms", 1e3 * m.pytorch.run_medians.back());
+  if (c.floor) sides += fmt::format(", floor {:.2f} ms", 1e3 * m.floor.run_medians.back());
+  const double left = elapsed / (run + 1) * (c.repeats - run - 1);
+  fmt::print(stderr, "[bench] run {}/{}: median step {}; {:.0f} s so far, about {:.0f} s left\n", run + 1, c.repeats,
+             sides, elapsed, left);
+}
+
 }  // namespace
 
 nlohmann::json side_json(const StepStats& s, const BenchConfig& c) {
@@ -285,6 +299,7 @@ int run_step_bench(const BenchConfig& c) {
   validate(c);
   TempDir dir("gradsync-bench-");
   Measured m;
+  const auto start = Clock::now();
   for (int run = 0; run < c.repeats; ++run) {
     fmt::print(stderr, "[bench] run {}/{}: gradsync{}{}{}\n", run + 1, c.repeats, c.sync_bn ? ", without --sync-bn" : "",
                c.compare_pytorch ? ", PyTorch" : "", c.floor ? ", floor" : "");
@@ -292,6 +307,7 @@ int run_step_bench(const BenchConfig& c) {
     if (c.sync_bn) run_gradsync(c, dir, run, m.plain_bn, "plain-bn");
     if (c.compare_pytorch) run_pytorch(c, dir, run, m.pytorch);
     if (c.floor) run_floor(c, dir, run, m.floor);
+    print_run_progress(c, m, run, std::chrono::duration<double>(Clock::now() - start).count());
   }
   std::string plot_note = c.plot.empty() ? "" : plot_step_times(c.plot, m.gradsync, m.pytorch, c);
   if (!plot_note.empty()) fmt::print(stderr, "[bench] plot: {}\n", plot_note);

@@ -1,4 +1,4 @@
-// The --log file and the progress line of `gradsync train` (see step_log.h).
+// The --log file of `gradsync train` (see step_log.h).
 #include "train/step_log.h"
 
 #include <unistd.h>
@@ -70,21 +70,6 @@ void StepLog::write_accuracy(int64_t epoch, int64_t step, double percent, double
   if (test_loss >= 0) line["test_loss"] = test_loss;
   file_ << line.dump() << "\n" << std::flush;
   check();
-}
-
-void Progress::update(const StepRecord& r) {
-  if (!enabled_) return;
-  seconds_ += r.seconds;
-  samples_ += r.samples;
-  ++steps_;
-  const double rate = seconds_ > 0 ? static_cast<double>(samples_) / seconds_ : 0;
-  const double eta = seconds_ / static_cast<double>(steps_) * static_cast<double>(total_ - r.step - 1);
-  fmt::print(stderr, "\rstep {}/{}  epoch {}  loss {:.4f}  {:.0f} samples/s  ETA {:.0f}s   ", r.step + 1, total_,
-             r.epoch, r.loss, rate, eta);
-}
-
-Progress::~Progress() {
-  if (enabled_) fmt::print(stderr, "\n");
 }
 
 }  // namespace gradsync::cli

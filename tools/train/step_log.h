@@ -1,5 +1,5 @@
-// defines: what `gradsync train` writes while it trains: StepLog (--log, JSON lines, rewritten on --resume so it
-// reads as one uninterrupted run) and Progress (one line on a terminal).
+// defines: StepLog, the --log file `gradsync train` writes while it trains (JSON lines, rewritten on --resume so it
+// reads as one uninterrupted run; the progress line is train/progress.h).
 #pragma once
 #include <cstdint>
 #include <fstream>
@@ -24,22 +24,6 @@ class StepLog {
 
   std::string path_;
   std::ofstream file_;
-};
-
-// Progress on one line when a person is watching (stderr is a terminal, or the parent `train` saw one): the
-// step, the loss, samples per second over this run and the time left at that rate.
-class Progress {
- public:
-  Progress(bool enabled, int64_t total) : enabled_(enabled), total_(total) {}
-  void update(const StepRecord& r);
-  ~Progress();
-
- private:
-  bool enabled_;
-  int64_t total_;
-  double seconds_ = 0;
-  int64_t samples_ = 0;
-  int64_t steps_ = 0;  // in this run (a resumed one starts past 0)
 };
 
 }  // namespace gradsync::cli

@@ -34,6 +34,7 @@
 #include "train/model_data.h"
 #include "train/resource_report.h"
 #include "train/schedule.h"
+#include "train/progress.h"
 #include "train/step_log.h"
 #include "train/checkpointing.h"
 #include "train/train_step.h"
@@ -319,7 +320,8 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   const Loop loop{c, run, world, schedule, {c, run.data, run.model, run.engine.get(), world, parse_reduction(c.reduction)},
                   choose_step(c, rank), b, reports_resources(c)};
   StepLog log(c.log, rank == 0, start.step);
-  Progress progress(rank == 0 && !c.quiet && (isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS")), steps);
+  const bool terminal = isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS");
+  Progress progress({!c.quiet, terminal, c.log_every, steps, run.data.tokens()}, world);
   std::vector<StepRecord> records;
   for (int64_t step = start.step, epoch = start.epoch; step < steps; ++epoch) {
     schedule.set_epoch(epoch);
@@ -334,10 +336,14 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
     }
     if (per_epoch == 0) break;
     if (s == first) continue;
-    if (run.test.size() > 0) report_accuracy(c, run, epoch, records.back(), log, world);
+    if (run.test.size() > 0) {
+      progress.finish();  // the evaluation's line starts on a line of its own
+      report_accuracy(c, run, epoch, records.back(), log, world);
+    }
     const Position next = s == per_epoch ? Position{step, epoch + 1, 0} : Position{step, epoch, s};
     checkpoints.after_step(next, steps, *run.engine, *run.optimizer);
   }
+  progress.finish();
   finish(c, run, records, world);
   return records;
 }

@@ -169,7 +169,11 @@ void add_train_command(CLI::App& root, int& exit_code) {
   add_file_options(cmd, c);
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)")
       ->check(CLI::Range(0.001, 86400.0 * 365));
-  cmd->add_flag("--quiet", c.quiet, "no summary line");
+  cmd->add_flag("--quiet", c.quiet, "no progress and no summary line");
+  cmd->add_option("--log-every", c.log_every,
+                  "progress on stderr when it is not a terminal: a line every N steps and after the last (default: "
+                  "about twenty lines in the run); on a terminal one line rewritten after every step")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 50));
   add_engine_options(cmd, c);
   add_checkpoint_options(cmd, c);
   cmd->callback([config, &exit_code] { exit_code = run_train(*config, own_arguments()); });

@@ -49,7 +49,15 @@ int64_t count(const std::vector<torch::Tensor>& micro) {
   return n;
 }
 
-// Mean over ranks of the step loss and total samples, in float64 (one 16-byte allreduce per step).
+// Token data: the valid tokens of the micro-batches (the progress line's rate); 0 otherwise.
+int64_t tokens_in(const Dataset& data, const std::vector<torch::Tensor>& micro) {
+  int64_t n = 0;
+  if (!data.tokens()) return n;
+  for (const auto& m : micro) n += m.numel() == 0 ? 0 : items_in(data, m);
+  return n;
+}
+
+// Mean over ranks of the step loss, total samples and tokens, in float64 (one 24-byte allreduce per step).
 RecordTotals reduce_record(const StepContext& ctx, const StepRecord& record) {
   if (!ctx.world || ctx.world->size() == 1) return {};
   return RecordTotals(ctx.world->comm(), record);
@@ -92,7 +100,8 @@ int fault_step(const std::string& spec, const std::string& kind) {
 }  // namespace
 
 RecordTotals::RecordTotals(Collectives& comm, const StepRecord& record)
-    : totals_(torch::tensor({record.loss, static_cast<double>(record.samples)}, torch::kDouble)),
+    : totals_(torch::tensor({record.loss, static_cast<double>(record.samples), static_cast<double>(record.tokens)},
+                            torch::kDouble)),
       work_(comm.allreduce_sum_async(totals_)),
       ranks_(comm.size()) {}
 
@@ -102,6 +111,7 @@ void RecordTotals::finish(StepRecord& record) {
   work_ = PendingWork();
   record.loss = totals_[0].item<double>() / ranks_;
   record.samples = static_cast<int64_t>(std::llround(totals_[1].item<double>()));
+  record.tokens = static_cast<int64_t>(std::llround(totals_[2].item<double>()));
 }
 
 void inject_crash(const StepContext& ctx, int64_t step) {
@@ -176,6 +186,7 @@ RecordTotals engine_step(const StepContext& ctx, const std::vector<torch::Tensor
     });
     record.loss = result.mean_loss;
     record.samples = result.total_items;
+    record.tokens = ctx.data.tokens() ? result.total_items : 0;
   } else {
     // accumulate() divides each micro-batch loss by the group size: .grad sums (see engine.h).
     record.loss = accumulate(*ctx.engine, group, [&](int64_t k) {
@@ -185,6 +196,7 @@ RecordTotals engine_step(const StepContext& ctx, const std::vector<torch::Tensor
       return own == group ? loss : loss * (static_cast<double>(group) / static_cast<double>(own));  // 1/K', not 1/K
     });
     record.samples = count(micro);
+    record.tokens = tokens_in(ctx.data, micro);
     totals = reduce_record(ctx, record);
   }
   const int corrupt_at = fault_step(ctx.config.inject_fault, "grad");
@@ -208,6 +220,7 @@ RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<t
     loss.backward();
     record.loss = loss.item<double>();
     record.samples = items_in(ctx.data, torch::cat(all));
+    record.tokens = ctx.data.tokens() ? record.samples : 0;
     return {};
   }
   const int ranks = static_cast<int>(per_rank.size());
@@ -217,6 +230,7 @@ RecordTotals replay_step(const StepContext& ctx, const std::vector<std::vector<t
       weighted.backward();
       record.loss += weighted.item<double>();
       record.samples += idx.numel();
+      record.tokens += tokens_in(ctx.data, {idx});
     }
   }
   return {};

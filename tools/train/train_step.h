@@ -39,17 +39,17 @@ int64_t items_in(const Dataset& data, const torch::Tensor& indices);
 // times their count) or, for token data, the cross-entropy summed over the valid tokens and their count.
 ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices);
 
-// A step's loss and sample count summed over ranks, in flight (one 16-byte allreduce) while the optimizer steps:
+// A step's loss, samples and tokens summed over ranks, in flight (one 24-byte allreduce) while the optimizer steps:
 // waiting for it right after backward added its round trip and the ranks' skew (0.25-1.6 ms a step on Gloo here).
 class RecordTotals {
  public:
   RecordTotals() = default;  // nothing to reduce: the record already holds the figures over all ranks
   RecordTotals(Collectives& comm, const StepRecord& record);  // starts the allreduce
-  // Waits, then writes the mean loss over ranks and the total samples into record.
+  // Waits, then writes the mean loss over ranks and the total samples and tokens into record.
   void finish(StepRecord& record);
 
  private:
-  torch::Tensor totals_;  // {loss, samples} in float64
+  torch::Tensor totals_;  // {loss, samples, tokens} in float64
   PendingWork work_;
   int ranks_ = 1;
 };
