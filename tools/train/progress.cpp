@@ -1,8 +1,11 @@
 // The progress line of `gradsync train` (see progress.h).
 #include "train/progress.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -37,6 +40,8 @@ std::string duration_text(double seconds) {
 }
 
 }  // namespace
+
+bool progress_on_terminal() { return isatty(STDERR_FILENO) || std::getenv("GRADSYNC_PROGRESS") != nullptr; }
 
 int64_t progress_cadence(int64_t every, int64_t total) {
   if (every > 0) return every;

@@ -11,6 +11,9 @@
 
 namespace gradsync::cli {
 
+// Whether a person watches: stderr is a terminal, or the `train` that started this rank saw one (GRADSYNC_PROGRESS).
+bool progress_on_terminal();
+
 // The steps after which a plain line is printed: every `every` steps (0: about twenty in `total`), and the last.
 int64_t progress_cadence(int64_t every, int64_t total);
 

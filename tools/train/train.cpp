@@ -48,7 +48,6 @@ bool under_launcher() {
   return process_env("RANK") || process_env("WORLD_SIZE") || process_env("OMPI_COMM_WORLD_RANK");
 }
 
-// Over the model's parameters, or this rank's shards of them (sharded strategies).
 // One group over the engine's parameters, or with --no-decay-1d two over the original parameters (the engine's
 // named_parameters(): shard pieces for the sharded engines): the rest with --weight-decay, then the parameters of
 // one dimension (biases, norm weights) without.
@@ -78,7 +77,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, En
       c, engine, model,
       torch::optim::SGDOptions(c.lr.value_or(0.01)).momentum(c.momentum.value_or(0)).weight_decay(c.weight_decay));
 }
-
 
 constexpr double kMaxTimeoutSeconds = 86400.0 * 365;
 
@@ -178,7 +176,6 @@ struct Run {
   int64_t model_bytes = 0;  // Psi in bytes, measured before an engine re-types parameters (--param-dtype)
 };
 
-
 Run set_up(const TrainConfig& c, const std::shared_ptr<World>& world) {
   torch::manual_seed(c.seed);
   Run run{make_model(c.model), {}, {}, nullptr, nullptr, 0};
@@ -208,9 +205,10 @@ bool reports_resources(const TrainConfig& c) { return is_sharded(c.strategy) || 
 }
 
 // --eval at the end of an epoch: on stdout (rank 0) and in the epoch's last log line.
-void report_accuracy(const TrainConfig& c, Run& run, int64_t epoch, StepRecord& last, StepLog& log,
+void report_accuracy(const TrainConfig& c, Run& run, int64_t epoch, StepRecord& last, StepLog& log, Progress& progress,
                      const std::shared_ptr<World>& world) {
   const auto accuracy = evaluate(c, *run.engine, run.test, world);
+  progress.finish();  // the evaluation's line starts on a line of its own
   last.test_accuracy = accuracy.percent();
   if (run.test.tokens()) last.test_loss = accuracy.nats_per_token();
   if ((!world || world->is_main()) && !c.quiet) {
@@ -320,8 +318,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
   const Loop loop{c, run, world, schedule, {c, run.data, run.model, run.engine.get(), world, parse_reduction(c.reduction)},
                   choose_step(c, rank), b, reports_resources(c)};
   StepLog log(c.log, rank == 0, start.step);
-  const bool terminal = isatty(STDERR_FILENO) || process_env("GRADSYNC_PROGRESS");
-  Progress progress({!c.quiet, terminal, c.log_every, steps, run.data.tokens()}, world);
+  Progress progress({!c.quiet, progress_on_terminal(), c.log_every, steps, run.data.tokens()}, world);
   std::vector<StepRecord> records;
   for (int64_t step = start.step, epoch = start.epoch; step < steps; ++epoch) {
     schedule.set_epoch(epoch);
@@ -336,10 +333,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
     }
     if (per_epoch == 0) break;
     if (s == first) continue;
-    if (run.test.size() > 0) {
-      progress.finish();  // the evaluation's line starts on a line of its own
-      report_accuracy(c, run, epoch, records.back(), log, world);
-    }
+    if (run.test.size() > 0) report_accuracy(c, run, epoch, records.back(), log, progress, world);
     const Position next = s == per_epoch ? Position{step, epoch + 1, 0} : Position{step, epoch, s};
     checkpoints.after_step(next, steps, *run.engine, *run.optimizer);
   }
