@@ -376,7 +376,7 @@ LaunchOptions rank_launch_options(const TrainConfig& c, const std::vector<std::s
   launch_options.prefix_output = false;  // only rank 0 prints; errors carry their rank in the message
   launch_options.command = {self_executable()};
   launch_options.command.insert(launch_options.command.end(), argv.begin(), argv.end());
-  if (isatty(STDERR_FILENO)) launch_options.extra_env.emplace_back("GRADSYNC_PROGRESS", "1");
+  if (progress_on_terminal()) launch_options.extra_env.emplace_back("GRADSYNC_PROGRESS", "1");
   return launch_options;
 }
 
