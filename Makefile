@@ -21,6 +21,8 @@ $(error TORCH=$(TORCH): expected pip (torch $(TORCH_VERSION) from the package in
 endif
 JOBS  ?= $(shell nproc)
 CMAKE_FLAGS ?= -G Ninja -DCMAKE_BUILD_TYPE=Release $(if $(CI),-DGRADSYNC_WERROR=ON,)
+# CMAKE_EXTRA adds -D options to the configure step (.ci/run builds the Debian line without examples and benchmarks).
+CMAKE_EXTRA ?=
 # ccache, where installed: the compiles are slow (25-40 s per torch TU). BASEDIR lets another clone's build hit the
 # same cache; the sloppiness lets it cache the precompiled header and the TUs that use it.
 export CCACHE_BASEDIR ?= $(CURDIR)
@@ -36,7 +38,7 @@ deps:
 	GRADSYNC_TORCH_VERSION=$(TORCH_VERSION) GRADSYNC_VENV=$(VENV) bash scripts/install-deps.sh
 
 configure: deps
-	cmake -S . -B $(BUILD) $(CMAKE_FLAGS) $(LAUNCHER) $(TORCH_FLAGS)
+	cmake -S . -B $(BUILD) $(CMAKE_FLAGS) $(LAUNCHER) $(TORCH_FLAGS) $(CMAKE_EXTRA)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)

@@ -27,11 +27,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Median seconds of `iterations` runs of each op, interleaved (op 0, op 1, ..., op 0, ...) so that drift in the
 // machine's speed falls on all alike, each started together on every rank (a barrier first), after `warmup` runs.
 template <typename Barrier>
