@@ -16,11 +16,6 @@
 #include "shard/sharded_units.h"
 
 namespace gradsync {
-namespace {
-
-constexpr const char* kWho = "FullyShardedDataParallel";
-
-}  // namespace
 
 const char* to_string(ShardingStrategy strategy) {
   switch (strategy) {
@@ -52,14 +47,14 @@ FullyShardedDataParallel::FullyShardedDataParallel(const ModuleRef& module, std:
   if (s.options.reduction() == Reduction::GlobalMean &&
       s.options.accumulation() == ShardedAccumulation::ReduceEveryMicroStep) {
     throw ConfigError(fmt::format("{}: Reduction::GlobalMean divides by the step's item count, known only before the "
-                                  "last micro-step; it needs ShardedAccumulation::UnshardedGradients", kWho));
+                                  "last micro-step; it needs ShardedAccumulation::UnshardedGradients", kFsdpName));
   }
   if (!is_hybrid(s.options.strategy()) && (s.options.replicas() != 0 || s.options.shard_across_hosts())) {
     throw ConfigError(fmt::format("{}: replicas ({}) and shard_across_hosts apply to the hybrid strategies "
-                                  "(hybrid_shard, hybrid_shard_grad_op), not {}", kWho, s.options.replicas(),
+                                  "(hybrid_shard, hybrid_shard_grad_op), not {}", kFsdpName, s.options.replicas(),
                                   to_string(s.options.strategy())));
   }
-  s.build(kWho);
+  s.build(kFsdpName);
 }
 
 FullyShardedDataParallel::~FullyShardedDataParallel() = default;
@@ -68,7 +63,7 @@ torch::Tensor FullyShardedDataParallel::forward(const torch::Tensor& input) {
   if (const auto missing = units_->units_without_slot(); !missing.empty()) {
     throw ConfigError(fmt::format("{}: unit(s) {} are not elements of a torch::nn::Sequential, so forward(x) cannot "
                                   "run them; call forward_with(body) with unit(name, fn) around each, or choose units "
-                                  "that are (--wrap type:NAME or list:NAME)", kWho, fmt::join(missing, ", ")));
+                                  "that are (--wrap type:NAME or list:NAME)", kFsdpName, fmt::join(missing, ", ")));
   }
   const auto& precision = units_->options.mixed_precision();
   const bool cast = precision.param_dtype && input.is_floating_point();
@@ -81,7 +76,7 @@ torch::Tensor FullyShardedDataParallel::unit(const std::string& name, const std:
   if (it == s.unit_index.end() || s.is_root(it->second)) {
     std::vector<std::string> known;
     for (const auto& f : s.flats) known.push_back(f->name());
-    throw ConfigError(fmt::format("{}: no unit named '{}'; units are {} (the root unit is implicit)", kWho, name,
+    throw ConfigError(fmt::format("{}: no unit named '{}'; units are {} (the root unit is implicit)", kFsdpName, name,
                                   fmt::join(known, ", ")));
   }
   return s.run_unit(it->second, fn);
@@ -160,14 +155,14 @@ void FullyShardedDataParallel::load_full_optim_state_dict(torch::optim::Optimize
 
 void FullyShardedDataParallel::load_state_dict(const StateDict& state) {
   auto& s = *units_;
-  load_full_state_dict(s.comm(), kWho, *s.module, s.flat_views, state);
+  load_full_state_dict(s.comm(), kFsdpName, *s.module, s.flat_views, state);
   s.sample_memory();
 }
 
 void FullyShardedDataParallel::save_sharded(const std::string& dir, const torch::optim::Optimizer* optimizer) {
   auto& s = *units_;
-  fail_together_on_throw(s.comm(), fmt::format("{}: save_sharded", kWho), [&] {
-    require_optimizer_over_shards(fmt::format("{}: save_sharded", kWho), optimizer, s.flat_views);
+  fail_together_on_throw(s.comm(), fmt::format("{}: save_sharded", kFsdpName), [&] {
+    require_optimizer_over_shards(fmt::format("{}: save_sharded", kFsdpName), optimizer, s.flat_views);
     save_shards(dir, fmt::format("fsdp:{}", to_string(s.options.strategy())), s.world->rank(), s.size(),
                 shard_slots(s.flat_views), optimizer);
   });
@@ -175,9 +170,9 @@ void FullyShardedDataParallel::save_sharded(const std::string& dir, const torch:
 
 void FullyShardedDataParallel::load_sharded(const std::string& dir, torch::optim::Optimizer* optimizer) {
   auto& s = *units_;
-  fail_together_on_throw(s.comm(), fmt::format("{}: load_sharded", kWho),
+  fail_together_on_throw(s.comm(), fmt::format("{}: load_sharded", kFsdpName),
                          [&] {
-                           require_optimizer_over_shards(fmt::format("{}: load_sharded", kWho), optimizer,
+                           require_optimizer_over_shards(fmt::format("{}: load_sharded", kFsdpName), optimizer,
                                                          s.flat_views);
                            load_shards(dir, s.world->rank(), s.size(), shard_slots(s.flat_views), optimizer);
                          });

@@ -11,7 +11,6 @@
 namespace gradsync {
 namespace {
 
-constexpr const char* kUnitsWho = "FullyShardedDataParallel";
 // limit_all_gathers: FULL_SHARD holds at most this many gathered units besides the root (the one computing and
 // the one prefetched), and at most this many reductions in flight (each holds its unsharded gradient).
 constexpr size_t kMaxGatheredUnits = 2;
@@ -76,7 +75,7 @@ void ShardedUnits::prefetch_backward() {
 // end, which no hook of the backward would gather again; the backward gathers each unit again as it reaches it.
 // Its gathers are recorded after the forward's, so a shadow micro-step issues both.
 void ShardedUnits::begin_forward() {
-  if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kUnitsWho));
+  if (callback_queued) throw Error(fmt::format("{}: forward called while a backward is running", kFsdpName));
   in_forward = true;
   const bool between = backward_pending && !torch::GradMode::is_enabled();
   if (!between) {
@@ -138,11 +137,11 @@ void ShardedUnits::release_kept(std::optional<size_t> except) {
 torch::Tensor ShardedUnits::run_unit(size_t u, const std::function<torch::Tensor()>& fn) {
   if (!in_forward) {
     throw Error(fmt::format("{}: unit '{}' ran outside the engine's forward; call the engine's forward(x) (or "
-                            "forward_with(body) for unit(name, fn)), not the module's", kUnitsWho, flats[u]->name()));
+                            "forward_with(body) for unit(name, fn)), not the module's", kFsdpName, flats[u]->name()));
   }
   if (running_unit) {
     throw ConfigError(fmt::format("{}: unit '{}' ran inside unit '{}'; units cannot nest (their events would replay "
-                                  "in another order)", kUnitsWho, flats[u]->name(), flats[*running_unit]->name()));
+                                  "in another order)", kFsdpName, flats[u]->name(), flats[*running_unit]->name()));
   }
   enter_unit(u);
   running_unit = u;
@@ -196,7 +195,7 @@ void ShardedUnits::end_forward() {
 // Every rank checks before its backward issues a collective (a real one in its first hook, a shadow one first
 // thing), so a missing count fails everywhere instead of leaving a shadow rank waiting.
 void ShardedUnits::require_item_count() const {
-  if (backward_sync) gradsync::require_item_count(kUnitsWho, world->rank(), options.reduction(), global_items);
+  if (backward_sync) gradsync::require_item_count(kFsdpName, world->rank(), options.reduction(), global_items);
 }
 
 void ShardedUnits::start_backward() {
@@ -229,7 +228,7 @@ void ShardedUnits::grad_ready(size_t u, size_t i) {
   if (p.pending == 0 || p.post_backward_done) {
     throw DistributedError(fmt::format("{} on rank {}: unit '{}' received a gradient after all of its parameters "
                                        "had one in this backward; run forward again before another backward",
-                                       kUnitsWho, world->rank(), flats[u]->name()));
+                                       kFsdpName, world->rank(), flats[u]->name()));
   }
   if (--p.pending == 0) post_backward(u);
 }
@@ -300,7 +299,7 @@ void ShardedUnits::end_synced_backward() {
 void ShardedUnits::join_forward() {
   if (!last_events) {
     throw ConfigError(fmt::format("{} on rank {}: a micro-step without data needs a completed micro-step of this "
-                                  "rank's own first (its unit events are replayed)", kUnitsWho, world->rank()));
+                                  "rank's own first (its unit events are replayed)", kFsdpName, world->rank()));
   }
   Replaying guard(replaying);
   for (const auto& e : *last_events) {
@@ -347,7 +346,7 @@ int64_t ShardedUnits::agree_micro_batches(int64_t micro_batches) {
   throw ConfigError(fmt::format(
       "{}: the ranks' micro-batch counts do not fit one step ({}); FSDP gathers parameters in every forward, so a "
       "rank with fewer micro-batches replays its last micro-step without data, which rank(s) {} cannot do before "
-      "a micro-step of their own", kUnitsWho, fmt::join(ranks, ", "),
+      "a micro-step of their own", kFsdpName, fmt::join(ranks, ", "),
       stuck.empty() ? std::string("none: no rank has a micro-batch") : fmt::format("{}", fmt::join(stuck, ", "))));
 }
 
@@ -383,7 +382,7 @@ void ShardedUnits::build(const std::string& who) {
   std::weak_ptr<ShardedUnits> weak = self;
   slots = std::make_unique<UnitSlots>(plans, [weak](size_t u, const std::function<torch::Tensor()>& body) {
     auto units = weak.lock();
-    if (!units) throw Error(fmt::format("{}: a unit ran after its engine was destroyed", kUnitsWho));
+    if (!units) throw Error(fmt::format("{}: a unit ran after its engine was destroyed", kFsdpName));
     return units->run_unit(u, body);
   });
   free_all();  // parameters are gathered when a forward needs them

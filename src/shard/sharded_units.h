@@ -27,6 +27,9 @@
 
 namespace gradsync {
 
+// The FSDP engine's name (PyTorch's class name), first in the errors of fsdp.cpp and of its units.
+inline constexpr const char* kFsdpName = "FullyShardedDataParallel";
+
 class ShardedUnits {
  public:
   // What one unit has done in the current forward/backward.
