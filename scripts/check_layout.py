@@ -7,7 +7,7 @@
 #     name (the line holding the name before its parameter list `(`) to its closing brace, inclusive;
 #     lambdas and local classes count toward the function they are written in;
 #   - no such file is over 450 lines;
-#   - include/gradsync/ (the public API) holds at most 18 headers, and none of them declares a type named
+#   - include/gradsync/ (the public API) holds at most 19 headers, and none of them declares a type named
 #     `State` (a "State" there is an implementation detail leaking into the API: keep it in src/);
 #   - tools/ holds only main.cpp and folders (every tool lives in its own tools/<name>/).
 # Prints every violation as `path:line: what is N (limit L)` and a one-line summary; exits 1 on any
@@ -27,7 +27,7 @@ import sys
 
 MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 450
-MAX_PUBLIC_HEADERS = 18
+MAX_PUBLIC_HEADERS = 19
 SOURCE_DIRS = ("src", "include", "tools")
 CPP_EXTENSIONS = (".h", ".hpp", ".hh", ".cpp", ".cc", ".cxx")
 HEADER_EXTENSIONS = (".h", ".hpp", ".hh")

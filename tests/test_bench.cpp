@@ -1,6 +1,8 @@
 // `gradsync bench`: the JSON a user scripts against (both sides measured in one run, the ratio of their medians),
 // `bench allreduce` on both backends, and flags refused with their name before anything runs. Speeds are not
 // asserted here (this machine's times drift); docs/performance.md holds the measurements.
+#include <fstream>
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -115,6 +117,28 @@ TEST(Bench, WrapIsPassedToTrainAndRecorded) {
   EXPECT_NE(missing.exit_code, 0);
   EXPECT_NE(missing.err.find("the gradsync run failed"), std::string::npos) << missing.describe();
   EXPECT_NE(missing.err.find("nosuch"), std::string::npos) << missing.describe();
+}
+
+// --trace: the traced job runs beside the untraced one, each run's trace kept, its breakdown in the JSON.
+TEST(Bench, TraceRunsTracedAndUntracedJobsInterleaved) {
+  const auto dir = t::make_temp_dir("gradsync-bench-trace-");
+  auto r = t::run({GRADSYNC_BIN, "bench", "--model", "mlp:16-32-4", "--per-rank-batch", "4", "--steps", "3",
+                   "--warmup", "1", "--repeats", "2", "--trace", dir, "--json"},
+                  within(120));
+  ASSERT_TRUE(r.ok()) << r.describe();
+  auto j = json_of(r);
+  expect_side(j.at("traced"), 8, "traced");
+  const auto& b = j["traced"].at("breakdown");
+  EXPECT_GT(b.at("compute_seconds").get<double>(), 0.0);
+  EXPECT_GT(b.at("communication_seconds").get<double>(), 0.0);
+  EXPECT_GE(b.at("overlap").get<double>(), 0.0);
+  EXPECT_LE(b.at("overlap").get<double>(), 1.0);
+  EXPECT_NEAR(j.at("trace_ratio").get<double>(),
+              j["traced"]["step_seconds"]["median"].get<double>() / j["gradsync"]["step_seconds"]["median"].get<double>(),
+              1e-9);
+  for (int run = 0; run < 2; ++run) {
+    EXPECT_TRUE(std::ifstream(fmt::format("{}/run-{}/trace.json", dir, run)).good()) << run;
+  }
 }
 
 TEST(Bench, EveryStrategyRunsAndAPlotIsWritten) {

@@ -1,4 +1,4 @@
-// The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/, bench/).
+// The `gradsync` command line: registers one subcommand per folder (launch/, train/, lab/, bench/, trace/).
 #include <cstdlib>
 #include <exception>
 #include <string>
@@ -11,6 +11,7 @@
 #include "gradsync/runtime.h"
 #include "lab/lab.h"
 #include "launch/launch.h"
+#include "trace/trace.h"
 #include "train/train.h"
 
 namespace {
@@ -47,6 +48,7 @@ int main(int argc, char** argv) {
   gradsync::cli::add_train_command(app, exit_code);
   gradsync::cli::add_lab_command(app, exit_code);
   gradsync::cli::add_bench_command(app, exit_code);
+  gradsync::cli::add_trace_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

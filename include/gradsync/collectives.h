@@ -12,6 +12,7 @@
 #include <torch/torch.h>
 
 #include "gradsync/reduction.h"
+#include "gradsync/trace.h"
 
 namespace gradsync {
 
@@ -30,6 +31,9 @@ class PendingWork {
  public:
   PendingWork() = default;
   PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout);
+  // Traced (trace.h): wait() records the collective from launch to completion and the wait itself.
+  PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout,
+              std::shared_ptr<Tracer> tracer, TraceEvent launched);
   bool valid() const { return static_cast<bool>(work_); }
   // Waits, then runs the continuation given to then() (a communication hook's decompression), once.
   void wait();
@@ -41,6 +45,9 @@ class PendingWork {
   std::function<void()> then_;
   std::string what_;  // "rank 1 of 4: allreduce #12 (sum, 262144 x float) on gloo" for error messages
   std::chrono::milliseconds timeout_{0};
+  void record_trace(const TransportWork& work, int64_t waited);
+  std::shared_ptr<Tracer> tracer_;  // null unless traced
+  TraceEvent launched_;
 };
 
 class Collectives {
@@ -82,6 +89,11 @@ class Collectives {
   void reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction);
   // The same, finished (output written) by PendingWork::wait(); input must not change until then.
   PendingWork reduce_scatter_async(const torch::Tensor& input, torch::Tensor& output, Reduction reduction);
+  // Collectives of this group and of the groups split() makes afterwards report to `tracer` (null: none, the
+  // default). Set it before constructing an engine, whose groups are split then.
+  void set_tracer(std::shared_ptr<Tracer> tracer) { tracer_ = std::move(tracer); }
+  Tracer* tracer() const { return tracer_.get(); }
+
   // Every rank's string, in rank order (used for cross-rank consistency checks).
   std::vector<std::string> allgather_strings(const std::string& mine);
   void barrier();
@@ -90,7 +102,10 @@ class Collectives {
   std::string describe(const char* op, const torch::Tensor* tensor, const char* detail = nullptr);
   void check_contiguous(const torch::Tensor& t, const char* op) const;
   void reject_global_mean(Reduction reduction, const char* op) const;
-  void run(std::shared_ptr<TransportWork> work, std::string what);
+  void run(std::shared_ptr<TransportWork> work, std::string what, const char* op, int64_t bytes, int64_t sent);
+  // The work, traced when a tracer is set: `op` as the trace names it, `bytes` of the tensor, `sent` by this rank.
+  PendingWork pending(std::shared_ptr<TransportWork> work, std::string what, const char* op, int64_t bytes,
+                      int64_t sent, bool reduces);
 
   std::shared_ptr<Transport> transport_;
   int rank_;
@@ -100,6 +115,12 @@ class Collectives {
   std::string group_;      // "" for the world; the name given to split() otherwise
   uint64_t sequence_ = 0;  // counts operations so an error can say which one failed
   uint64_t splits_ = 0;    // counts split() calls: keeps the store keys of each split's groups apart
+  std::shared_ptr<Tracer> tracer_;
+  // When tracing, the clock just before the transport was handed the operation being described.
+  void mark_launch() {
+    if (tracer_) launched_ns_ = Tracer::now_ns();
+  }
+  int64_t launched_ns_ = 0;
 };
 
 }  // namespace gradsync

@@ -42,6 +42,7 @@
 #include "gradsync/reduction.h"
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
+#include "gradsync/trace.h"
 
 namespace gradsync {
 
@@ -97,6 +98,7 @@ class Engine {
   // Any forward: body() computes it (FSDP: calling unit(name, fn) around each unit's part).
   template <typename Body>
   auto forward_with(Body&& body) {
+    TraceSpan span(tracer(), "forward");
     begin_forward();
     try {
       auto output = body();
@@ -166,6 +168,11 @@ class Engine {
   virtual const char* name() const = 0;     // "DistributedDataParallel", ... for messages
   // The communicator of this engine's ranks; null for the local engine.
   virtual Collectives* comm() = 0;
+  // Its tracer (Collectives::set_tracer), null when none: forward, backward and every collective report to it.
+  Tracer* tracer() {
+    auto* c = comm();
+    return c ? c->tracer() : nullptr;
+  }
 
   // ---- what accumulate() and forward_with() call -------------------------------------------------------------
   virtual void begin_forward() = 0;  // buffer broadcast, gathers; decides nothing yet
@@ -257,7 +264,13 @@ inline void shadow_forward(Engine& engine) {
 }
 inline void shadow_micro_step(Engine& engine) {
   shadow_forward(engine);
+  TraceSpan span(engine.tracer(), "backward", TraceEvent::Kind::Compute, "shadow");
   engine.join_backward();
+}
+// backward() of a micro-step's loss, a "backward" span on the engine's tracer.
+inline void traced_backward(Engine& engine, const torch::Tensor& loss) {
+  TraceSpan span(engine.tracer(), "backward");
+  loss.backward();
 }
 }  // namespace detail
 
@@ -274,7 +287,7 @@ double accumulate(Engine& engine, int64_t micro_batches, LossFn&& micro_loss) {
     auto step = [&] {
       if (k >= micro_batches) return detail::shadow_micro_step(engine);
       auto scaled = micro_loss(k) / static_cast<double>(micro_batches);
-      scaled.backward();
+      detail::traced_backward(engine, scaled);
       total += scaled.template item<double>();
     };
     const bool last = k + 1 == steps;
@@ -333,11 +346,12 @@ GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, Ite
     ItemLoss part = micro_loss(k);
     items += part.items;
     loss_sum += part.summed_loss.template item<double>();
-    part.summed_loss.backward();
+    detail::traced_backward(engine, part.summed_loss);
   }
   if (micro_batches < steps) {  // the synchronised micro-step is a shadow one
     detail::shadow_forward(engine);
     auto out = detail::global_totals(engine, items, loss_sum);
+    TraceSpan span(engine.tracer(), "backward", TraceEvent::Kind::Compute, "shadow");
     engine.join_backward();
     return out;
   }
@@ -345,7 +359,7 @@ GlobalStepLoss accumulate_global_mean(Engine& engine, int64_t micro_batches, Ite
   items += last.items;
   loss_sum += last.summed_loss.template item<double>();
   auto out = detail::global_totals(engine, items, loss_sum);
-  last.summed_loss.backward();
+  detail::traced_backward(engine, last.summed_loss);
   return out;
 }
 

@@ -15,5 +15,6 @@
 #include "gradsync/state_dict.h"
 #include "gradsync/stats.h"
 #include "gradsync/sync_batch_norm.h"
+#include "gradsync/trace.h"
 #include "gradsync/verify.h"
 #include "gradsync/zero.h"

@@ -90,6 +90,10 @@ void Reducer::launch_ready_buckets() {
   // Collectives must be issued in the same order on every rank: bucket i waits for buckets < i.
   while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
     auto& bucket = buckets[next_launch];
+    // The factor folded into the copy, or the hook's own 1/N (every hook of comm_hook.h divides by divisor()).
+    auto* tracer = world->comm().tracer();
+    TraceLabel label(tracer, tracer ? fmt::format("bucket {}", next_launch) : std::string(),
+                     comm_hook ? 1.0 / static_cast<double>(divisor()) : bucket_scale());
     bucket.work = comm_hook ? run_comm_hook(next_launch) : world->comm().allreduce_sum_async(bucket.flat);
     traffic.add_allreduce(bucket.flat.numel() * static_cast<int64_t>(bucket.flat.element_size()), size());
     timeline.bucket_launch_ms.push_back(ms_since_start());

@@ -101,6 +101,7 @@ void require_global_mean(const Engine& engine) {
 
 GlobalStepLoss global_totals(Engine& engine, int64_t items, double loss_sum) {
   auto t = torch::tensor({static_cast<double>(items), loss_sum}, torch::kDouble);
+  TraceLabel label(engine.tracer(), "global-mean count");
   if (auto* comm = engine.comm()) comm->allreduce(t, Reduction::Sum);
   GlobalStepLoss out;
   out.total_items = static_cast<int64_t>(std::llround(t[0].item<double>()));

@@ -41,7 +41,10 @@ void broadcast_from_rank0(Collectives& comm, torch::nn::Module& module) {
 }
 
 void BufferSync::before_forward(Collectives& comm) {
-  if (enabled_ && required_ && comm.size() > 1 && !buffers_.empty()) comm.broadcast_coalesced(buffers_, root_);
+  if (enabled_ && required_ && comm.size() > 1 && !buffers_.empty()) {
+    TraceLabel label(comm.tracer(), "buffers");
+    comm.broadcast_coalesced(buffers_, root_);
+  }
 }
 
 }  // namespace gradsync

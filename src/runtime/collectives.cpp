@@ -21,6 +21,8 @@ const char* to_string(Backend backend) { return backend == Backend::Mpi ? "mpi" 
 
 namespace {
 
+int64_t byte_size(const torch::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
+
 // A transport's failure of the operation `what` as gradsync reports it. Transports name only addresses; this says
 // which rank and which operation, and which peer is to blame when this host can tell (a stopped or vanished rank),
 // or where to look.
@@ -36,15 +38,42 @@ DistributedError operation_failed(const std::string& what, const std::exception&
 PendingWork::PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout)
     : work_(std::move(work)), what_(std::move(what)), timeout_(timeout) {}
 
+PendingWork::PendingWork(std::shared_ptr<TransportWork> work, std::string what, std::chrono::milliseconds timeout,
+                         std::shared_ptr<Tracer> tracer, TraceEvent launched)
+    : work_(std::move(work)),
+      what_(std::move(what)),
+      timeout_(timeout),
+      tracer_(std::move(tracer)),
+      launched_(std::move(launched)) {
+  work_->watch_completion();
+}
+
 void PendingWork::wait() {
   if (!work_) return;
   auto work = std::move(work_);
+  const int64_t waited = tracer_ ? Tracer::now_ns() : 0;
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
     throw operation_failed(what_, e);
   }
   if (then_) std::exchange(then_, nullptr)();
+  if (tracer_) record_trace(*work, waited);
+}
+
+// The collective from launch to completion (the transport's time, else now), and the wait from `waited` to now.
+void PendingWork::record_trace(const TransportWork& work, int64_t waited) {
+  const int64_t now = Tracer::now_ns();
+  TraceEvent wait = launched_;
+  wait.kind = TraceEvent::Kind::Wait;
+  wait.name = "wait";
+  wait.begin_ns = waited;
+  wait.end_ns = now;
+  const int64_t completed = work.completed_ns();
+  launched_.end_ns = std::clamp(completed > 0 ? completed : now, launched_.begin_ns, now);
+  tracer_->record(std::move(launched_));
+  tracer_->record(std::move(wait));
+  tracer_.reset();
 }
 
 PendingWork PendingWork::then(std::function<void()> fn) && {
@@ -84,7 +113,9 @@ std::shared_ptr<Collectives> Collectives::split(int color, int key, const std::s
   auto what = describe("split", nullptr, fmt::format("{} group of world ranks {}", label, fmt::join(world, ",")).c_str());
   try {
     auto transport = transport_->split(members, index, fmt::format("{}.{}", id, color), color, key, timeout_);
-    return std::make_shared<Collectives>(std::move(transport), index, std::move(world), label, timeout_);
+    auto group = std::make_shared<Collectives>(std::move(transport), index, std::move(world), label, timeout_);
+    group->set_tracer(tracer_);
+    return group;
   } catch (const std::runtime_error& e) {
     if (dynamic_cast<const Error*>(&e)) throw;
     throw operation_failed(what, e);
@@ -105,8 +136,28 @@ std::string Collectives::describe(const char* op, const torch::Tensor* tensor, c
                      shape, to_string(backend()));
 }
 
-void Collectives::run(std::shared_ptr<TransportWork> work, std::string what) {
-  PendingWork(std::move(work), std::move(what), timeout_).wait();
+void Collectives::run(std::shared_ptr<TransportWork> work, std::string what, const char* op, int64_t bytes,
+                      int64_t sent) {
+  pending(std::move(work), std::move(what), op, bytes, sent, false).wait();
+}
+
+PendingWork Collectives::pending(std::shared_ptr<TransportWork> work, std::string what, const char* op, int64_t bytes,
+                                 int64_t sent, bool reduces) {
+  if (!tracer_) return PendingWork(std::move(work), std::move(what), timeout_);
+  TraceEvent e;
+  e.kind = TraceEvent::Kind::Collective;
+  e.name = op;
+  if (const auto* label = TraceLabel::current()) {
+    e.label = label->label();
+    e.factor = label->factor();
+  }
+  e.group = group_.empty() ? "world" : group_;
+  e.reduction = reduces ? "sum" : "";
+  e.bytes = bytes;
+  e.sent = sent;
+  e.sequence = static_cast<int64_t>(sequence_);
+  e.begin_ns = launched_ns_;
+  return PendingWork(std::move(work), std::move(what), timeout_, tracer_, std::move(e));
 }
 
 void Collectives::reject_global_mean(Reduction reduction, const char* op) const {
@@ -124,17 +175,21 @@ void Collectives::check_contiguous(const torch::Tensor& t, const char* op) const
 
 void Collectives::allreduce(torch::Tensor& tensor, Reduction reduction) {
   reject_global_mean(reduction, "allreduce");
-  if (reduction == Reduction::Mean && size_ > 1) {
-    // See Note [Where the division happens]: scale by 1/N first, exactly like a DDP bucket copy.
-    tensor.mul_(1.0 / size_);
-  }
+  const auto* outer = TraceLabel::current();
+  const double factor = reduction == Reduction::Mean && size_ > 1 ? 1.0 / size_ : 1.0;
+  TraceLabel scaled(tracer(), outer ? outer->label() : "", (outer ? outer->factor() : 1.0) * factor);
+  // See Note [Where the division happens]: scale by 1/N first, exactly like a DDP bucket copy.
+  if (factor != 1.0) tensor.mul_(factor);
   allreduce_sum_async(tensor).wait();
 }
 
 PendingWork Collectives::allreduce_sum_async(torch::Tensor& tensor) {
   check_contiguous(tensor, "allreduce");
   auto what = describe("allreduce", &tensor, "sum");
-  return PendingWork(transport_->allreduce_sum(tensor), std::move(what), timeout_);
+  const int64_t bytes = byte_size(tensor);
+  mark_launch();
+  return pending(transport_->allreduce_sum(tensor), std::move(what), "allreduce", bytes, 2 * bytes * (size_ - 1) / size_,
+                 true);
 }
 
 torch::Tensor Collectives::reduction_buffer(int64_t numel, c10::ScalarType dtype) {
@@ -150,7 +205,8 @@ torch::Tensor Collectives::reduction_buffer(int64_t numel, c10::ScalarType dtype
 void Collectives::broadcast(torch::Tensor& tensor, int root) {
   check_contiguous(tensor, "broadcast");
   auto what = describe("broadcast", &tensor, fmt::format("from rank {}", root).c_str());
-  run(transport_->broadcast(tensor, root), std::move(what));
+  mark_launch();
+  run(transport_->broadcast(tensor, root), std::move(what), "broadcast", byte_size(tensor), 0);
 }
 
 void Collectives::broadcast_coalesced(const std::vector<torch::Tensor>& tensors, int root) {
@@ -185,7 +241,10 @@ PendingWork Collectives::allgather_flat_async(const torch::Tensor& input, torch:
                                   output.numel(), size_, n, n * size_));
   }
   auto what = describe("allgather", &input);
-  return PendingWork(transport_->allgather(input, output), std::move(what), timeout_);
+  const int64_t bytes = byte_size(output);
+  mark_launch();
+  return pending(transport_->allgather(input, output), std::move(what), "allgather", bytes, bytes * (size_ - 1) / size_,
+                 false);
 }
 
 void Collectives::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction) {
@@ -204,9 +263,15 @@ PendingWork Collectives::reduce_scatter_async(const torch::Tensor& input, torch:
   }
   auto source = input.reshape({-1});
   // See Note [Where the division happens]: x 1/N on a copy (the caller's input stays as it was), then a SUM.
-  if (reduction == Reduction::Mean && size_ > 1) source = source.mul(1.0 / size_);
+  const double factor = reduction == Reduction::Mean && size_ > 1 ? 1.0 / size_ : 1.0;
+  if (factor != 1.0) source = source.mul(factor);
   auto what = describe("reduce_scatter", &input, to_string(reduction));
-  return PendingWork(transport_->reduce_scatter_sum(source, output), std::move(what), timeout_);
+  const int64_t bytes = byte_size(input);
+  const auto* outer = TraceLabel::current();
+  TraceLabel scaled(tracer(), outer ? outer->label() : "", (outer ? outer->factor() : 1.0) * factor);
+  mark_launch();
+  return pending(transport_->reduce_scatter_sum(source, output), std::move(what), "reduce_scatter", bytes,
+                 bytes * (size_ - 1) / size_, true);
 }
 
 std::vector<std::string> Collectives::allgather_strings(const std::string& mine) {
@@ -229,7 +294,8 @@ std::vector<std::string> Collectives::allgather_strings(const std::string& mine)
 
 void Collectives::barrier() {
   auto what = describe("barrier", nullptr);
-  run(transport_->barrier(), std::move(what));
+  mark_launch();
+  run(transport_->barrier(), std::move(what), "barrier", 0, 0);
 }
 
 }  // namespace gradsync

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "gradsync/error.h"
+#include "gradsync/trace.h"
 #include "runtime/gloo_group.h"
 #include "runtime/transport.h"
 
@@ -26,6 +27,15 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const LaunchEnv& env) {
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+// Gloo's worker thread completes the work's future when the bytes have moved; its callback notes the time.
+void mark_on_completion(const c10::intrusive_ptr<c10d::Work>& work, std::shared_ptr<std::atomic<int64_t>> at) {
+  work->getFuture()->addCallback([at = std::move(at)](c10::ivalue::Future&) {
+    const int64_t now = Tracer::now_ns();
+    for (int64_t seen = at->load(); seen < now && !at->compare_exchange_weak(seen, now);) {
+    }
+  });
+}
+
 // A c10d work plus what must happen locally once it is done (reduce-scatter's local sum).
 class GlooWork : public TransportWork {
  public:
@@ -35,6 +45,7 @@ class GlooWork : public TransportWork {
     work_->wait();
     if (then_) then_();
   }
+  void watch_completion() override { mark_on_completion(work_, completed_ns_); }
 
  private:
   c10::intrusive_ptr<c10d::Work> work_;
@@ -58,6 +69,10 @@ class GlooWorks : public TransportWork {
       }
     }
     if (first) std::rethrow_exception(first);
+  }
+  // The operation ends with its last work: each callback keeps the latest time.
+  void watch_completion() override {
+    for (auto& work : works_) mark_on_completion(work, completed_ns_);
   }
 
  private:

@@ -3,7 +3,9 @@
 // knows across hosts). A transport only sums and copies; scaling, checks, sequence numbers and error messages
 // stay in Collectives so both backends declare the same semantics.
 #pragma once
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -20,6 +22,15 @@ class TransportWork {
  public:
   virtual ~TransportWork() = default;
   virtual void wait(std::chrono::milliseconds timeout) = 0;
+  // A traced operation (trace.h) asks when its bytes finished moving, which can be long before anyone waits.
+  // Until watch_completion() is called nothing is timed; completed_ns() is then the Tracer::now_ns() of the end,
+  // or 0 where the transport cannot tell (the wait's end is used instead).
+  virtual void watch_completion() {}
+  int64_t completed_ns() const { return completed_ns_->load(); }
+
+ protected:
+  // Shared, so a transport's callback may outlive the work that asked for it.
+  std::shared_ptr<std::atomic<int64_t>> completed_ns_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // Every operation starts at once and is finished by the returned work's wait(). Operations are issued in the

@@ -29,6 +29,7 @@ void OrderCheck::expect(Collectives& comm, Op op, size_t unit, int64_t numel) {
   ++sequence_;
   auto mine = torch::tensor({static_cast<int64_t>(op), static_cast<int64_t>(unit), numel}, torch::kLong);
   auto all = torch::empty({3 * comm.size()}, torch::kLong);
+  TraceLabel label(comm.tracer(), "order check");
   comm.allgather_flat(mine, all);
   auto* v = all.data_ptr<int64_t>();
   bool same = true;

@@ -31,6 +31,7 @@ void ShardedUnits::start_gather(size_t u, OrderCheck::Op op) {
   auto& flat = *flats[u];
   if (flat.gathered()) return;
   order->expect(comm(), op, u, flat.padded_numel());
+  TraceLabel label(comm().tracer(), trace_label(u));
   flat.start_gather(group(), traffic);
   sample_memory();
 }
@@ -38,6 +39,7 @@ void ShardedUnits::start_gather(size_t u, OrderCheck::Op op) {
 void ShardedUnits::start_reduce(size_t u) {
   auto& flat = *flats[u];
   order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flat.padded_numel());
+  TraceLabel label(comm().tracer(), trace_label(u), grad_factor());
   flat.start_reduce(group(), grad_factor(), traffic);
 }
 
@@ -104,6 +106,7 @@ void ShardedUnits::record(Event::Kind kind, size_t u, bool needs_backward) {
 // prefetched, within kMaxGatheredUnits unless SHARD_GRAD_OP holds every unit anyway.
 void ShardedUnits::enter_unit(size_t u) {
   release_kept(/*except=*/u);  // not the last unit after all: freed before anything else is gathered
+  trace_begin(u);
   gather(u, OrderCheck::Op::ForwardGather);
   forward_order.push_back(u);
   const size_t next = u + 1;
@@ -119,6 +122,7 @@ void ShardedUnits::enter_unit(size_t u) {
 // units in the same order, so every rank skips the same all-gather.
 void ShardedUnits::leave_unit(size_t u, bool needs_backward) {
   progress[u].needs_backward = progress[u].needs_backward || needs_backward;
+  trace_end("forward", u);
   if (!frees_after_use(options.strategy())) return;
   if (needs_backward) {
     kept_gathered = u;
@@ -212,6 +216,7 @@ void ShardedUnits::start_backward() {
 void ShardedUnits::pre_backward(size_t u) {
   start_backward();
   record(Event::Kind::PreBackward, u);
+  trace_begin(u);
   // The kept unit is u (still gathered from forward: its backward frees it) or, when the backward does not start
   // with the forward's last unit (its output unused), one that no longer needs holding.
   release_kept(/*except=*/u);
@@ -247,7 +252,24 @@ void ShardedUnits::post_backward(size_t u) {
   }
   // FULL_SHARD reshards as soon as the unit's backward is done; the others keep parameters until the end.
   if (frees_after_use(options.strategy())) flat.free();
+  trace_end("backward", u);
   prefetch_backward();
+}
+
+void ShardedUnits::trace_begin(size_t u) {
+  if (comm().tracer()) progress[u].traced_from_ns = Tracer::now_ns();
+}
+
+void ShardedUnits::trace_end(const char* what, size_t u) {
+  auto* tracer = comm().tracer();
+  if (!tracer || progress[u].traced_from_ns == 0) return;
+  TraceEvent e;
+  e.kind = TraceEvent::Kind::Compute;
+  e.name = what;
+  e.label = trace_label(u);
+  e.begin_ns = std::exchange(progress[u].traced_from_ns, 0);
+  e.end_ns = Tracer::now_ns();
+  tracer->record(std::move(e));
 }
 
 void ShardedUnits::finalize_backward() {
@@ -273,6 +295,7 @@ void ShardedUnits::reduce_across_replicas() {
     if (!flats[u]->has_pending()) continue;
     order->expect(comm(), OrderCheck::Op::ReduceGrad, u, flats[u]->shard_numel());
     units.push_back(u);
+    TraceLabel label(comm().tracer(), trace_label(u));
     works.push_back(flats[u]->all_reduce_pending(*mesh.replica, traffic));
   }
   for (size_t i = 0; i < units.size(); ++i) {

@@ -37,6 +37,7 @@ class ShardedUnits {
     bool needs_backward = false;  // its forward ran with grad enabled
     size_t pending = 0;           // parameters whose gradient has not arrived in this backward
     bool post_backward_done = false;
+    int64_t traced_from_ns = 0;   // tracing: when its forward or backward began (0: not traced)
   };
   // What a micro-step did, unit by unit: its forward ran the unit (and whether a backward will reach it), the
   // unit's backward started, its gradient was complete. Replaying these through the same functions issues the same
@@ -89,6 +90,10 @@ class ShardedUnits {
   // What a unit's parameters are sharded over and its all-gathers and reduce-scatters span: the shard group under
   // a hybrid strategy, the world otherwise.
   Collectives& group() { return mesh.shard ? *mesh.shard : comm(); }
+  // Tracing (trace.h): "unit NAME" for the unit's collectives ("" without a tracer), and its compute span.
+  std::string trace_label(size_t u) { return comm().tracer() ? "unit " + flats[u]->name() : std::string(); }
+  void trace_begin(size_t u);
+  void trace_end(const char* what, size_t u);
   int size() const { return world->size(); }
   bool sharded() const { return options.strategy() != ShardingStrategy::NoShard; }
   bool hybrid() const { return is_hybrid(options.strategy()); }

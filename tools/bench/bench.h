@@ -34,6 +34,7 @@ struct BenchConfig {
   std::string python = GRADSYNC_PYTHON;  // the PyTorch compared with: the torch of gradsync's own libtorch line
   bool floor = false;          // also run world_size `--strategy local` processes at once: the compute floor
   bool sync_bn = false;        // gradsync trains with --sync-bn, and the same job without it runs interleaved
+  std::string trace;           // DIR: gradsync's job runs with --trace DIR/run-K too, interleaved with the untraced
   bool json = false;
   std::string plot;            // PNG path, "" = none
   double timeout_seconds = 600;
@@ -46,6 +47,8 @@ struct StepStats {
   std::vector<double> run_medians;    // one per run
   int64_t peak_rss_bytes = -1;        // rank 0's peak resident memory (VmHWM; the floor: any process's), max over runs
   double bytes_sent_per_step = -1;    // rank 0, mean over measured steps
+  // Traced jobs: rank 0's per-step figures from the log (trace.h's StepBreakdown), measured steps of every run.
+  std::vector<double> compute, communication, exposed, overlap;
 };
 
 // Validates (ConfigError naming the flag), runs the interleaved jobs, prints a table or JSON; returns the exit code.
@@ -54,7 +57,9 @@ double median(std::vector<double> v);  // of a sample; 0 for none, the mean of t
 
 // The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio", "run_ratios"}, and with
 // --floor "floor": {...} and "over_floor_seconds": {"gradsync", "pytorch"} (median step minus the floor's median), and
-// with --sync-bn "without_sync_bn": {...} and "sync_bn_ratio" (gradsync's median over that side's).
+// with --sync-bn "without_sync_bn": {...} and "sync_bn_ratio" (gradsync's median over that side's), with --trace
+// "traced": {..., "breakdown": {"compute_seconds", "communication_seconds", "exposed_seconds", "overlap"} (medians)}
+// and "trace_ratio" (the traced median step over the untraced one's).
 nlohmann::json side_json(const StepStats& stats, const BenchConfig& config);
 
 // Writes `png` from the step times of both sides (pytorch may be empty). Returns "" or why it could not.

@@ -75,6 +75,10 @@ void add_bench_command(CLI::App& root, int& exit_code) {
   cmd->add_flag("--sync-bn", c->sync_bn,
                 "mlp-bn: gradsync trains with SyncBatchNorm, and the same job with plain BatchNorm runs interleaved "
                 "(row plain-bn; PyTorch's side keeps plain BatchNorm, its SyncBatchNorm runs on CUDA only)");
+  cmd->add_option("--trace", c->trace,
+                  "also run gradsync's job with train --trace DIR/run-K, interleaved with the untraced one: what "
+                  "tracing costs (row traced, trace_ratio) and the step's compute, communication, exposed time and "
+                  "overlap");
   cmd->add_flag("--floor", c->floor,
                 "also run as many --strategy local processes as ranks, all at once, each on one rank's batch: the "
                 "step time if communication cost nothing, and each side's time over it");

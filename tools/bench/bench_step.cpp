@@ -27,6 +27,7 @@ using Clock = std::chrono::steady_clock;
 struct Measured {
   StepStats gradsync, pytorch, floor;
   StepStats plain_bn;  // --sync-bn: gradsync's job without it
+  StepStats traced;    // --trace: gradsync's job with it
 };
 
 }  // namespace
@@ -120,6 +121,12 @@ std::vector<double> read_train_log(const BenchConfig& c, const std::string& log,
     if (step < c.warmup || step >= c.warmup + c.steps) continue;
     mine.push_back(j.at("seconds").get<double>());
     sent += j.value("sent_bytes", 0.0);
+    if (j.contains("overlap")) {
+      stats.compute.push_back(j.at("compute_seconds"));
+      stats.communication.push_back(j.at("communication_seconds"));
+      stats.exposed.push_back(j.at("exposed_seconds"));
+      stats.overlap.push_back(j.at("overlap"));
+    }
     stats.peak_rss_bytes = std::max(stats.peak_rss_bytes, j.value("rss_peak", int64_t{-1}));
   }
   stats.bytes_sent_per_step = mine.empty() ? -1 : sent / static_cast<double>(mine.size());
@@ -137,6 +144,7 @@ void run_gradsync(const BenchConfig& c, const TempDir& dir, int run, StepStats& 
   const std::string log = dir.file(fmt::format("{}-{}.jsonl", name, run));
   auto argv = train_argv(c, c.strategy, ranks_of(c), log);
   if (std::string(name) == "plain-bn") argv.erase(std::remove(argv.begin(), argv.end(), "--sync-bn"), argv.end());
+  if (std::string(name) == "traced") argv.insert(argv.end(), {"--trace", fmt::format("{}/run-{}", c.trace, run)});
   run_job(c, argv, dir.file(fmt::format("{}-{}.out", name, run)), name);
   add_run(stats, read_train_log(c, log, stats));
 }
@@ -231,6 +239,14 @@ void print_table(const BenchConfig& c, const Measured& m) {
   row("pytorch", m.pytorch);
   row("floor", m.floor);
   row("plain-bn", m.plain_bn);
+  row("traced", m.traced);
+  if (!m.traced.step_seconds.empty()) {
+    const auto& t = m.traced;
+    fmt::print("  ratio traced/untraced (median step time): {:.3f}; traced, rank 0's medians: compute {:.2f} ms, "
+               "communication {:.2f} ms, exposed {:.2f} ms, overlap {:.0f}%\n",
+               median(t.step_seconds) / median(m.gradsync.step_seconds), 1e3 * median(t.compute),
+               1e3 * median(t.communication), 1e3 * median(t.exposed), 100 * median(t.overlap));
+  }
   if (!m.plain_bn.step_seconds.empty()) {
     fmt::print("  ratio --sync-bn/plain BatchNorm (median step time): {:.3f}\n",
                median(m.gradsync.step_seconds) / median(m.plain_bn.step_seconds));
@@ -252,7 +268,7 @@ nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
                                  {"world_size", ranks_of(c)}, {"strategy", c.strategy}, {"wrap", c.wrap},
                                  {"backend", c.backend},
                                  {"threads", c.threads}, {"steps", c.steps}, {"warmup", c.warmup},
-                                 {"repeats", c.repeats}, {"sync_bn", c.sync_bn}}},
+                                 {"repeats", c.repeats}, {"sync_bn", c.sync_bn}, {"trace", !c.trace.empty()}}},
                      {"gradsync", side_json(m.gradsync, c)}};
   if (c.compare_pytorch) {
     out["pytorch"] = side_json(m.pytorch, c);
@@ -264,6 +280,13 @@ nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
   if (c.sync_bn) {
     out["without_sync_bn"] = side_json(m.plain_bn, c);
     out["sync_bn_ratio"] = median(m.gradsync.step_seconds) / median(m.plain_bn.step_seconds);
+  }
+  if (!c.trace.empty()) {
+    out["traced"] = side_json(m.traced, c);
+    out["traced"]["breakdown"] = {{"compute_seconds", median(m.traced.compute)},
+                                  {"communication_seconds", median(m.traced.communication)},
+                                  {"exposed_seconds", median(m.traced.exposed)}, {"overlap", median(m.traced.overlap)}};
+    out["trace_ratio"] = median(m.traced.step_seconds) / median(m.gradsync.step_seconds);
   }
   if (c.floor) {
     out["floor"] = side_json(m.floor, c);
@@ -277,6 +300,7 @@ nlohmann::json bench_json(const BenchConfig& c, const Measured& m) {
 void print_run_progress(const BenchConfig& c, const Measured& m, int run, double elapsed) {
   std::string sides = fmt::format("gradsync {:.2f} ms", 1e3 * m.gradsync.run_medians.back());
   if (c.sync_bn) sides += fmt::format(", without --sync-bn {:.2f} ms", 1e3 * m.plain_bn.run_medians.back());
+  if (!c.trace.empty()) sides += fmt::format(", traced {:.2f} ms", 1e3 * m.traced.run_medians.back());
   if (c.compare_pytorch) sides += fmt::format(", PyTorch {:.2f} ms", 1e3 * m.pytorch.run_medians.back());
   if (c.floor) sides += fmt::format(", floor {:.2f} ms", 1e3 * m.floor.run_medians.back());
   const double left = elapsed / (run + 1) * (c.repeats - run - 1);
@@ -309,6 +333,7 @@ int run_step_bench(const BenchConfig& c) {
                c.compare_pytorch ? ", PyTorch" : "", c.floor ? ", floor" : "");
     run_gradsync(c, dir, run, m.gradsync);
     if (c.sync_bn) run_gradsync(c, dir, run, m.plain_bn, "plain-bn");
+    if (!c.trace.empty()) run_gradsync(c, dir, run, m.traced, "traced");
     if (c.compare_pytorch) run_pytorch(c, dir, run, m.pytorch);
     if (c.floor) run_floor(c, dir, run, m.floor);
     print_run_progress(c, m, run, std::chrono::duration<double>(Clock::now() - start).count());

@@ -139,6 +139,7 @@ void TrainCheckpoints::after_step(const Position& next, int64_t total_steps, Eng
                                                  {"epoch", std::to_string(next.epoch)},
                                                  {"step_in_epoch", std::to_string(next.step_in_epoch)}};
   for (const auto& [flag, value] : configuration_fingerprint(config_)) meta["flag " + flag] = value;
+  TraceSpan span(engine.tracer(), "checkpoint", TraceEvent::Kind::Phase, "step " + std::to_string(next.step));
   checkpoints_->save(next.step, engine, optimizer, meta);
 }
 

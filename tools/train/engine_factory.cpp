@@ -97,6 +97,10 @@ void validate_sharding_flags(const TrainConfig& c, int world_size) {
     throw ConfigError(fmt::format("--comm-hook {} applies to --strategy ddp only (a hook reduces DDP's buckets), "
                                   "not {}", c.comm_hook, to_string(c.strategy)));
   }
+  if ((c.bucket_cap_mb || c.first_bucket_mb) && c.strategy != Strategy::Ddp) {
+    throw ConfigError(fmt::format("--bucket-cap-mb and --first-bucket-mb size DDP's buckets: they apply to "
+                                  "--strategy ddp only, not {}", to_string(c.strategy)));
+  }
   const auto& hooks = comm_hook_names();
   if (std::find(hooks.begin(), hooks.end(), c.comm_hook) == hooks.end()) {
     throw ConfigError(fmt::format("--comm-hook {} is not known; expected one of {}", c.comm_hook,
@@ -129,6 +133,8 @@ std::unique_ptr<Engine> make_engine(const TrainConfig& c, const Model& model,
       // Bucket views: train zeroes through the engine (never Optimizer::zero_grad()), so .grad can be the bucket,
       // which saves a pass over the gradient and Psi of memory; the values are the same bit for bit.
       auto options = DdpOptions().reduction(reduction).gradient_as_bucket_view(true);
+      if (c.bucket_cap_mb) options.bucket_cap_mb(*c.bucket_cap_mb);
+      if (c.first_bucket_mb) options.first_bucket_bytes(static_cast<size_t>(*c.first_bucket_mb * 1024 * 1024));
       auto ddp = std::make_unique<DistributedDataParallel>(model, world, options);
       if (c.comm_hook != "none") ddp->register_comm_hook(comm_hook_of(c.comm_hook));
       return ddp;

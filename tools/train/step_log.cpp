@@ -60,6 +60,12 @@ void StepLog::write(const StepRecord& r) {
   if (r.memory_peak >= 0) line["memory_peak"] = r.memory_peak;
   if (r.rss_peak >= 0) line["rss_peak"] = r.rss_peak;
   if (r.sent_bytes >= 0) line["sent_bytes"] = r.sent_bytes;
+  if (const auto& b = r.breakdown) {  // --trace: rank 0's figures (each rank's are in its trace file)
+    line["compute_seconds"] = b->compute_seconds;
+    line["communication_seconds"] = b->communication_seconds;
+    line["exposed_seconds"] = b->exposed_seconds;
+    line["overlap"] = b->overlap;
+  }
   file_ << line.dump() << "\n" << std::flush;
   check();
 }

@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -37,6 +36,8 @@
 #include "train/progress.h"
 #include "train/step_log.h"
 #include "train/checkpointing.h"
+#include "train/optimizer.h"
+#include "train/trace_session.h"
 #include "train/train_step.h"
 
 namespace gradsync::cli {
@@ -46,36 +47,6 @@ using Clock = std::chrono::steady_clock;
 
 bool under_launcher() {
   return process_env("RANK") || process_env("WORLD_SIZE") || process_env("OMPI_COMM_WORLD_RANK");
-}
-
-// One group over the engine's parameters, or with --no-decay-1d two over the original parameters (the engine's
-// named_parameters(): shard pieces for the sharded engines): the rest with --weight-decay, then the parameters of
-// one dimension (biases, norm weights) without.
-template <typename Optimizer, typename Options>
-std::unique_ptr<torch::optim::Optimizer> optimizer_over(const TrainConfig& c, Engine& engine, const Model& model,
-                                                        const Options& options) {
-  if (!c.no_decay_1d) return std::make_unique<Optimizer>(engine.parameters(), options);
-  std::map<std::string, int64_t> dims;
-  for (const auto& p : model->named_parameters(/*recurse=*/true)) dims[p.key()] = p.value().dim();
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : engine.named_parameters()) (dims.at(p.key()) <= 1 ? no_decay : decay).push_back(p.value());
-  // Defaults without decay: libtorch >= 2.15 gives a group's default-valued option (weight_decay 0) the defaults'.
-  auto without = options;
-  without.weight_decay(0);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<Options>(options));
-  groups.emplace_back(no_decay, std::make_unique<Options>(without));
-  return std::make_unique<Optimizer>(std::move(groups), without);
-}
-
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& c, Engine& engine, const Model& model) {
-  if (c.optimizer == "adam") {
-    const auto options = torch::optim::AdamOptions(c.lr.value_or(1e-3)).weight_decay(c.weight_decay);
-    return optimizer_over<torch::optim::Adam>(c, engine, model, options);
-  }
-  return optimizer_over<torch::optim::SGD>(
-      c, engine, model,
-      torch::optim::SGDOptions(c.lr.value_or(0.01)).momentum(c.momentum.value_or(0)).weight_decay(c.weight_decay));
 }
 
 constexpr double kMaxTimeoutSeconds = 86400.0 * 365;
@@ -160,6 +131,9 @@ void validate(const TrainConfig& c, int world_size) {
   check_output_directory("--save-state", c.save_state);
   check_output_directory("--save-optim", c.save_optim);
   check_output_directory("--log", c.log);
+  if (!c.trace_dir.empty() && c.strategy == Strategy::Local) {
+    throw ConfigError("--trace records a data-parallel job's timeline; --strategy local has no ranks to trace");
+  }
   validate_checkpoint_flags(c);
   eval_data_spec(c);  // --eval has a split to use
 }
@@ -225,7 +199,8 @@ void report_accuracy(const TrainConfig& c, Run& run, int64_t epoch, StepRecord& 
 }
 
 void finish(const TrainConfig& c, Run& run, const std::vector<StepRecord>& records,
-            const std::shared_ptr<World>& world) {
+            const std::shared_ptr<World>& world, TraceSession& trace) {
+  trace.finish(*run.engine, c.quiet);  // first: the state dicts gathered below are not part of the run
   const int rank = world ? world->rank() : 0;
   const ResourceReport report{to_string(c.strategy), run.engine->memory(), mean_sent_bytes(records), run.model_bytes,
                               run.engine->traffic(), static_cast<int64_t>(records.size()), replicas_of(c, world)};
@@ -259,6 +234,7 @@ struct Loop {
   StepFn step_fn;
   int64_t micro_batch;
   bool report;
+  TraceSession& trace;
   // Gloo's bytes are the socket writes this process made; MPI's shared memory makes none, so there the count is
   // the engine's own (each collective's ring bytes, CommStats).
   int64_t bytes_sent() const {
@@ -272,6 +248,7 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
   StepRecord record{step, epoch, 0, 0, 0};
   const int64_t written_before = loop.report ? loop.bytes_sent() : 0;
   const auto start = Clock::now();
+  loop.trace.begin_step(step);
   inject_crash(loop.ctx, step);
   RecordTotals totals;
   try {
@@ -283,9 +260,13 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
   }
   const bool verify = loop.c.verify_every > 0 && step % loop.c.verify_every == 0;
   if (verify) verify_gradient(loop.ctx, loop.schedule.step(rank, s), step);
-  loop.run.optimizer->step();  // the loss allreduce is still in flight
-  loop.run.engine->zero_grad();
+  {
+    TraceSpan span(loop.trace.tracer(), "optimizer");
+    loop.run.optimizer->step();  // the loss allreduce is still in flight
+    loop.run.engine->zero_grad();
+  }
   totals.finish(record);
+  loop.trace.end_step(record);
   if (verify && holds_replicas(loop.c.strategy)) verify_replicas(loop.ctx, step);
   record.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   if (loop.report) {
@@ -301,6 +282,7 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
 std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<World>& world) {
   const int rank = world ? world->rank() : 0;
   validate(c, world ? world->size() : 1);
+  TraceSession trace(c.trace_dir, world);  // before the engine: its groups report to the tracer
   auto run = set_up(c, world);
   TrainCheckpoints checkpoints(c, world ? &world->comm() : nullptr);
   // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
@@ -316,7 +298,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
                                   "give --steps or --epochs beyond it", start.step, steps));
   }
   const Loop loop{c, run, world, schedule, {c, run.data, run.model, run.engine.get(), world, parse_reduction(c.reduction)},
-                  choose_step(c, rank), b, reports_resources(c)};
+                  choose_step(c, rank), b, reports_resources(c), trace};
   StepLog log(c.log, rank == 0, start.step);
   Progress progress({!c.quiet, progress_on_terminal(), c.log_every, steps, run.data.tokens()}, world);
   std::vector<StepRecord> records;
@@ -338,7 +320,7 @@ std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<W
     checkpoints.after_step(next, steps, *run.engine, *run.optimizer);
   }
   progress.finish();
-  finish(c, run, records, world);
+  finish(c, run, records, world, trace);
   return records;
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gradsync/runtime.h"
+#include "gradsync/trace.h"
 #include "train/strategy.h"
 
 namespace CLI {
@@ -23,6 +24,9 @@ struct TrainConfig {
   int64_t accumulate = 1;         // micro-batches per optimizer step (K)
   int world_size = 0;             // 0: not given (1, or the launcher's WORLD_SIZE)
   std::string comm_hook = "none";  // ddp: none | allreduce | fp16 | bf16 (gradsync/comm_hook.h)
+  std::optional<double> bucket_cap_mb;     // ddp: DdpOptions::bucket_cap_mb (default PyTorch's 25)
+  std::optional<double> first_bucket_mb;   // ddp: DdpOptions::first_bucket_bytes in MiB (default 1)
+  std::string trace_dir;          // --trace DIR: per-rank and merged trace-event JSON (train/trace_session.h)
   bool no_prefetch = false;       // fsdp-full: one unit gathered at a time (FsdpOptions::prefetch = false)
   std::string backend;            // --backend gloo|mpi; "": the launcher's (GRADSYNC_BACKEND, mpi under mpirun)
   Strategy strategy = Strategy::Ddp;
@@ -83,6 +87,7 @@ struct StepRecord {
   int64_t rss_peak = -1;     // this process's peak resident memory so far (VmHWM); -1: not reported
   double test_accuracy = -1; // --eval: percent correct on the test split after this step's epoch; -1: none
   double test_loss = -1;     // --eval on token data: nats per valid token of the test split; -1: none
+  std::optional<StepBreakdown> breakdown{};  // --trace: this rank's compute, communication, exposed time, overlap
 };
 
 // Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.

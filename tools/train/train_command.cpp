@@ -61,6 +61,12 @@ void add_engine_options(CLI::App* cmd, TrainConfig& c) {
                 "hsdp, hsdp-grad-op: allow a shard group to span hosts (its all-gathers then cross the network)");
   cmd->add_option("--comm-hook", c.comm_hook, "ddp: none (default), allreduce, fp16 or bf16 (PyTorch's hooks)")
       ->check(CLI::IsMember(comm_hook_names()));
+  cmd->add_option("--bucket-cap-mb", c.bucket_cap_mb,
+                  "ddp: MiB of gradients per bucket, as PyTorch's bucket_cap_mb (default 25)")
+      ->check(CLI::Range(1e-6, 1e6));
+  cmd->add_option("--first-bucket-mb", c.first_bucket_mb,
+                  "ddp: MiB of the first bucket, which PyTorch keeps small so communication starts early (default 1)")
+      ->check(CLI::Range(1e-6, 1e6));
   cmd->add_flag("--no-prefetch", c.no_prefetch,
                 "fsdp-full: gather one unit at a time (lowest memory) instead of prefetching the next unit's all-gather");
   cmd->add_flag("--report-memory", c.report_memory,
@@ -170,6 +176,10 @@ void add_train_command(CLI::App& root, int& exit_code) {
   cmd->add_option("--timeout", c.timeout_seconds, "seconds before a stalled collective fails (default 1800)")
       ->check(CLI::Range(0.001, 86400.0 * 365));
   cmd->add_flag("--quiet", c.quiet, "no progress and no summary line");
+  cmd->add_option("--trace", c.trace_dir,
+                  "write a timeline: DIR/trace-rank-R.json per rank and DIR/trace.json with every rank (Chrome "
+                  "trace-event JSON for Perfetto or chrome://tracing), and each step's compute, communication and "
+                  "exposed communication in --log and the summary");
   cmd->add_option("--log-every", c.log_every,
                   "progress on stderr when it is not a terminal: a line every N steps and after the last (default: "
                   "about twenty lines in the run); on a terminal one line rewritten after every step")

@@ -24,7 +24,11 @@ namespace {
 
 // In --dtype whatever the engine computes in (FSDP's --param-dtype): the loss is computed in the model's dtype.
 torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
-  auto inputs = ctx.data.inputs.index_select(0, indices);
+  Tracer* tracer = ctx.engine ? ctx.engine->tracer() : nullptr;
+  auto inputs = [&] {
+    TraceSpan span(tracer, "data", TraceEvent::Kind::Phase);
+    return ctx.data.inputs.index_select(0, indices);
+  }();
   auto output = ctx.engine ? ctx.engine->forward(inputs) : ctx.model.forward(inputs);
   const auto dtype = parse_dtype(ctx.config.dtype);
   return output.is_floating_point() && output.scalar_type() != dtype ? output.to(dtype) : output;
@@ -102,8 +106,10 @@ int fault_step(const std::string& spec, const std::string& kind) {
 RecordTotals::RecordTotals(Collectives& comm, const StepRecord& record)
     : totals_(torch::tensor({record.loss, static_cast<double>(record.samples), static_cast<double>(record.tokens)},
                             torch::kDouble)),
-      work_(comm.allreduce_sum_async(totals_)),
-      ranks_(comm.size()) {}
+      ranks_(comm.size()) {
+  TraceLabel label(comm.tracer(), "step loss");
+  work_ = comm.allreduce_sum_async(totals_);
+}
 
 void RecordTotals::finish(StepRecord& record) {
   if (!work_.valid()) return;
@@ -145,15 +151,18 @@ int64_t items_in(const Dataset& data, const torch::Tensor& indices) {
 }
 
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices) {
-  return loss_of(ctx.config, forward(ctx, indices), ctx.data.targets.index_select(0, indices));
+  auto output = forward(ctx, indices);
+  TraceSpan span(ctx.engine ? ctx.engine->tracer() : nullptr, "loss");
+  return loss_of(ctx.config, output, ctx.data.targets.index_select(0, indices));
 }
 
 ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices) {
   if (!ctx.data.tokens()) {  // per-sample mean x sample count = summed per-sample loss
     return {micro_batch_loss(ctx, indices) * static_cast<double>(indices.numel()), indices.numel()};
   }
-  return {token_loss(forward(ctx, indices), ctx.data.targets.index_select(0, indices), /*mean=*/false),
-          items_in(ctx.data, indices)};
+  auto output = forward(ctx, indices);
+  TraceSpan span(ctx.engine ? ctx.engine->tracer() : nullptr, "loss");
+  return {token_loss(output, ctx.data.targets.index_select(0, indices), /*mean=*/false), items_in(ctx.data, indices)};
 }
 
 namespace {
