@@ -5,6 +5,7 @@
 // (one DDP bucket; one FSDP unit without prefetch), whose overlap must be lower than the default's.
 #include <algorithm>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <string>
 #include <tuple>
@@ -281,6 +282,8 @@ TEST(TraceOverlap, OneDdpBucketOverlapsLessThanSmallBuckets) {
   ASSERT_FALSE(many.ranks.empty() || one.ranks.empty());
   const auto [many_overlap, many_coverage] = overlap_and_coverage(many);
   const auto [one_overlap, one_coverage] = overlap_and_coverage(one);
+  std::cout << "overlap: many buckets " << many_overlap << ", one " << one_overlap << "; compute + exposed / step "
+            << many_coverage << ", " << one_coverage << "\n";
   EXPECT_GT(many_overlap, one_overlap) << "many buckets " << many_overlap << ", one " << one_overlap;
   for (const double c : {many_coverage, one_coverage}) EXPECT_NEAR(c, 1.0, 0.1) << "compute + exposed vs step";
 }
@@ -294,6 +297,8 @@ TEST(TraceOverlap, OneFsdpUnitWithoutPrefetchOverlapsLessThanPrefetchedUnits) {
   ASSERT_FALSE(units.ranks.empty() || one.ranks.empty());
   const auto [units_overlap, units_coverage] = overlap_and_coverage(units);
   const auto [one_overlap, one_coverage] = overlap_and_coverage(one);
+  std::cout << "overlap: prefetched units " << units_overlap << ", one unit " << one_overlap
+            << "; compute + exposed / step " << units_coverage << ", " << one_coverage << "\n";
   EXPECT_GT(units_overlap, one_overlap) << "prefetched units " << units_overlap << ", one unit " << one_overlap;
   for (const double c : {units_coverage, one_coverage}) EXPECT_NEAR(c, 1.0, 0.1) << "compute + exposed vs step";
 }

@@ -9,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/trace_step.h"
+
 namespace gradsync {
 
 int64_t Tracer::now_ns() {
@@ -31,7 +33,7 @@ void Tracer::end_step() {
   if (step_ < 0) return;
   TraceEvent e;
   e.kind = TraceEvent::Kind::Phase;
-  e.name = "step " + std::to_string(step_);
+  e.name = step_phase_name(step_);
   e.begin_ns = step_begin_ns_;
   e.end_ns = now_ns();
   e.step = step_;
@@ -61,16 +63,8 @@ StepBreakdown Tracer::breakdown(int64_t step) const {
   // Steps end in order, so the newest range is the usual one; the step's events follow its first index.
   for (auto it = step_ranges_.rbegin(); it != step_ranges_.rend(); ++it) {
     if (it->first != step) continue;
-    std::vector<TraceEvent> mine;
-    const TraceEvent* phase = nullptr;
-    for (size_t i = it->second; i < events_.size(); ++i) {
-      if (events_[i].step != step) continue;
-      if (events_[i].kind == TraceEvent::Kind::Phase && events_[i].name == "step " + std::to_string(step)) {
-        phase = &events_[i];
-      }
-      mine.push_back(events_[i]);
-    }
-    return phase ? breakdown_of(mine, phase->begin_ns, phase->end_ns) : StepBreakdown{};
+    const std::vector<TraceEvent> since(events_.begin() + static_cast<std::ptrdiff_t>(it->second), events_.end());
+    return step_breakdown(since, step).value_or(StepBreakdown{});
   }
   return {};
 }
@@ -162,6 +156,21 @@ StepBreakdown breakdown_of(const std::vector<TraceEvent>& events, int64_t begin_
   const int64_t comm_ns = length(comm);
   b.overlap = comm_ns == 0 ? 0.0 : 1.0 - static_cast<double>(overlap_length(comm, waits)) / comm_ns;
   return b;
+}
+
+std::string step_phase_name(int64_t step) { return "step " + std::to_string(step); }
+
+std::optional<StepBreakdown> step_breakdown(const std::vector<TraceEvent>& events, int64_t step) {
+  std::vector<TraceEvent> mine;
+  const TraceEvent* phase = nullptr;
+  const std::string name = step_phase_name(step);
+  for (const auto& e : events) {
+    if (e.step != step) continue;
+    if (e.kind == TraceEvent::Kind::Phase && e.name == name) phase = &e;
+    mine.push_back(e);
+  }
+  if (!phase) return std::nullopt;
+  return breakdown_of(mine, phase->begin_ns, phase->end_ns);
 }
 
 }  // namespace gradsync

@@ -8,6 +8,8 @@
 
 #include "gradsync/trace.h"
 
+#include "common/trace_step.h"
+
 namespace gradsync {
 namespace {
 
@@ -65,16 +67,12 @@ json breakdown_json(const StepBreakdown& b, int64_t step) {
 
 json steps_json(const std::vector<TraceEvent>& events) {
   std::map<int64_t, std::vector<TraceEvent>> by_step;
-  for (const auto& e : events) by_step[e.step].push_back(e);
+  for (const auto& e : events) {
+    if (e.step >= 0) by_step[e.step].push_back(e);
+  }
   json steps = json::array();
   for (const auto& [step, mine] : by_step) {
-    if (step < 0) continue;
-    const std::string name = "step " + std::to_string(step);
-    for (const auto& e : mine) {
-      if (e.kind == TraceEvent::Kind::Phase && e.name == name) {
-        steps.push_back(breakdown_json(breakdown_of(mine, e.begin_ns, e.end_ns), step));
-      }
-    }
+    if (const auto b = step_breakdown(mine, step)) steps.push_back(breakdown_json(*b, step));
   }
   return steps;
 }

@@ -23,6 +23,13 @@ namespace {
 
 int64_t byte_size(const torch::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
+// The label of a collective that scales by `factor` itself (a Mean): the caller's label, with the caller's factor
+// times this one, so the trace shows every factor applied to what is sent. (A prvalue: C++17 elides the copy.)
+TraceLabel scaled_label(Tracer* tracer, double factor) {
+  const auto* outer = TraceLabel::current();
+  return TraceLabel(tracer, outer ? outer->label() : "", (outer ? outer->factor() : 1.0) * factor);
+}
+
 // A transport's failure of the operation `what` as gradsync reports it. Transports name only addresses; this says
 // which rank and which operation, and which peer is to blame when this host can tell (a stopped or vanished rank),
 // or where to look.
@@ -175,9 +182,8 @@ void Collectives::check_contiguous(const torch::Tensor& t, const char* op) const
 
 void Collectives::allreduce(torch::Tensor& tensor, Reduction reduction) {
   reject_global_mean(reduction, "allreduce");
-  const auto* outer = TraceLabel::current();
   const double factor = reduction == Reduction::Mean && size_ > 1 ? 1.0 / size_ : 1.0;
-  TraceLabel scaled(tracer(), outer ? outer->label() : "", (outer ? outer->factor() : 1.0) * factor);
+  const auto label = scaled_label(tracer(), factor);
   // See Note [Where the division happens]: scale by 1/N first, exactly like a DDP bucket copy.
   if (factor != 1.0) tensor.mul_(factor);
   allreduce_sum_async(tensor).wait();
@@ -267,8 +273,7 @@ PendingWork Collectives::reduce_scatter_async(const torch::Tensor& input, torch:
   if (factor != 1.0) source = source.mul(factor);
   auto what = describe("reduce_scatter", &input, to_string(reduction));
   const int64_t bytes = byte_size(input);
-  const auto* outer = TraceLabel::current();
-  TraceLabel scaled(tracer(), outer ? outer->label() : "", (outer ? outer->factor() : 1.0) * factor);
+  const auto label = scaled_label(tracer(), factor);
   mark_launch();
   return pending(transport_->reduce_scatter_sum(source, output), std::move(what), "reduce_scatter", bytes,
                  bytes * (size_ - 1) / size_, true);

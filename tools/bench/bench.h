@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "train/median.h"
+
 namespace CLI {
 class App;
 }
@@ -53,7 +55,6 @@ struct StepStats {
 
 // Validates (ConfigError naming the flag), runs the interleaved jobs, prints a table or JSON; returns the exit code.
 int run_step_bench(const BenchConfig& config);
-double median(std::vector<double> v);  // of a sample; 0 for none, the mean of the middle two for an even count
 
 // The JSON `bench --json` prints: {"config", "gradsync": {...}, "pytorch": {...}, "ratio", "run_ratios"}, and with
 // --floor "floor": {...} and "over_floor_seconds": {"gradsync", "pytorch"} (median step minus the floor's median), and

@@ -30,17 +30,6 @@ struct Measured {
   StepStats traced;    // --trace: gradsync's job with it
 };
 
-}  // namespace
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-namespace {
-
 // Ranges and choices are checked by CLI11's validators (bench_command.cpp); the model and wrap specs only here.
 void validate(const BenchConfig& c) {
   parse_flag("--model", c.model, parse_model_spec);

@@ -14,8 +14,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "bench/bench.h"
 #include "gradsync/error.h"
+#include "train/median.h"
 
 namespace gradsync::cli {
 namespace {
@@ -102,6 +102,8 @@ void TraceSession::finish(const Engine& engine, bool quiet) {
   mine["otherData"]["engine"] = engine.name();
   const std::string text = mine.dump();
   write_file(fmt::format("{}/trace-rank-{}.json", dir_, info_.rank), text);
+  // Every rank receives every file though only rank 0 writes the merge: Collectives has no gather to one rank,
+  // and this runs once, after the last step, on files of a few MB at most.
   const auto all = world_->comm().allgather_strings(text);
   if (!world_->is_main()) return;
   const std::string merged_path = dir_ + "/trace.json";
