@@ -17,7 +17,7 @@ namespace {
 t::CommandOptions within(int seconds) {
   t::CommandOptions o;
   o.timeout = std::chrono::seconds(seconds);
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+  o.unset_env = t::launcher_variables({"GRADSYNC_BACKEND"});
   return o;
 }
 

@@ -23,8 +23,7 @@ const std::string kExamples = std::string(GRADSYNC_BUILD_DIR) + "/examples";
 t::CommandOptions options() {
   t::CommandOptions o;
   o.timeout = std::chrono::seconds(120);
-  o.unset_env = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR",
-                 "MASTER_PORT"};
+  o.unset_env = t::launcher_variables({"LOCAL_RANK", "LOCAL_WORLD_SIZE"});
   return o;
 }
 

@@ -23,11 +23,7 @@ using Clock = std::chrono::steady_clock;
 namespace {
 
 t::CommandOptions options(std::chrono::seconds timeout = std::chrono::seconds(120)) {
-  t::CommandOptions o;
-  o.timeout = timeout;
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
-  return o;
+  return t::job_options(timeout, {"GRADSYNC_BACKEND"});
 }
 
 

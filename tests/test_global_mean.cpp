@@ -144,11 +144,7 @@ const std::string kPython = GRADSYNC_PYTHON;
 const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
 
 t::CommandOptions cli() {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(180);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT"};
-  return o;
+  return t::job_options(std::chrono::seconds(180));
 }
 
 std::string make_case(const std::string& dir, int n, const std::string& model = "mlp:8-16-5") {

@@ -26,11 +26,7 @@ const std::string kPython = GRADSYNC_PYTHON;
 const std::string kReference = std::string(GRADSYNC_SOURCE_DIR) + "/tests/reference";
 
 t::CommandOptions options(int seconds = 180) {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(seconds);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT"};
-  return o;
+  return t::job_options(std::chrono::seconds(seconds));
 }
 
 // make_case.py's ragged token file (0..T valid tokens per sequence) and a seeded state for `model`.

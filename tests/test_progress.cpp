@@ -20,11 +20,7 @@ namespace {
 const std::string kPython = GRADSYNC_PYTHON;
 
 t::CommandOptions quick() {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(120);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_PROGRESS"};
-  return o;
+  return t::job_options(std::chrono::seconds(120), {"GRADSYNC_PROGRESS"});
 }
 
 std::vector<nlohmann::json> read_log(const std::string& path) {

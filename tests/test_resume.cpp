@@ -28,11 +28,7 @@ namespace t = gradsync::test;
 namespace {
 
 t::CommandOptions options() {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(120);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
-  return o;
+  return t::job_options(std::chrono::seconds(120), {"GRADSYNC_BACKEND"});
 }
 
 std::vector<std::string> train_argv(std::vector<std::string> args) {

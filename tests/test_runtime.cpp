@@ -194,10 +194,7 @@ std::vector<t::ProcessResult> train_on_two_nodes(const std::vector<std::string>&
                                   GRADSYNC_BIN, "train", "--model", "mlp:8-16-4", "--data", "synthetic:64",
                                   "--global-batch", "16", "--steps", "2", "--timeout", "20"};
     argv.insert(argv.end(), args.begin(), args.end());
-    t::CommandOptions opts;
-    opts.timeout = std::chrono::seconds(60);
-    opts.env = {{"OMP_NUM_THREADS", "1"}};
-    opts.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+    const auto opts = t::job_options(std::chrono::seconds(60), {"GRADSYNC_BACKEND"});
     launchers.push_back(t::Process::start(argv, opts));
   }
   std::vector<t::ProcessResult> results;

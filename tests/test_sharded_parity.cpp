@@ -51,11 +51,7 @@ void PrintTo(const ShardedParityCase& c, std::ostream* os) {
 }
 
 t::CommandOptions options() {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(120);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT"};
-  return o;
+  return t::job_options(std::chrono::seconds(120));
 }
 
 std::string tag_of(const std::vector<std::string>& strategy) {

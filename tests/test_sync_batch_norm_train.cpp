@@ -17,11 +17,7 @@ using t::parity::kReference;
 namespace {
 
 t::CommandOptions cli() {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(180);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT"};
-  return o;
+  return t::job_options(std::chrono::seconds(180));
 }
 
 struct Case {

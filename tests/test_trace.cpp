@@ -24,11 +24,7 @@ using nlohmann::json;
 namespace {
 
 t::CommandOptions traced_run() {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(180);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_PROGRESS"};
-  return o;
+  return t::job_options(std::chrono::seconds(180), {"GRADSYNC_PROGRESS"});
 }
 
 json read_json(const std::string& path) {

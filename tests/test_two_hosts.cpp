@@ -56,10 +56,8 @@ class TwoHosts {
                                   "--master-addr", address('a'),
                                   "--master-port", std::to_string(port), "--", GRADSYNC_BIN, "train"};
     argv.insert(argv.end(), train_args.begin(), train_args.end());
-    t::CommandOptions o;
-    o.timeout = std::chrono::seconds(120);
-    o.env = {{"OMP_NUM_THREADS", "1"}, {"GLOO_SOCKET_IFNAME", name(host)}, {"GRADSYNC_STORE_TOKEN", "5ca1ab1e"}};
-    o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+    auto o = t::job_options(std::chrono::seconds(120), {"GRADSYNC_BACKEND"});
+    o.env.insert(o.env.end(), {{"GLOO_SOCKET_IFNAME", name(host)}, {"GRADSYNC_STORE_TOKEN", "5ca1ab1e"}});
     return t::Process::start(argv, o);
   }
 
@@ -90,10 +88,7 @@ TEST(FaultsTwoHosts, HsdpAcrossTwoNamespacesEqualsTheOneHostMeshAndACutLinkFails
   TwoHosts hosts;
   if (!hosts.ok()) GTEST_SKIP() << "network namespaces cannot be made here (needs root and iproute2): " << hosts.error();
   const auto dir = t::make_temp_dir("gradsync-two-hosts-");
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(120);
-  o.env = {{"OMP_NUM_THREADS", "1"}};
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+  const auto o = t::job_options(std::chrono::seconds(120), {"GRADSYNC_BACKEND"});
   auto one_host = flags(dir, "one", 30);
   one_host.insert(one_host.begin(), {GRADSYNC_BIN, "train", "--world-size", "4", "--replicas", "2"});
   const auto one = t::run(one_host, o);
@@ -139,7 +134,7 @@ TEST(FaultsTwoHosts, HsdpAcrossTwoNamespacesEqualsTheOneHostMeshAndACutLinkFails
 TEST(FaultsTwoHosts, SlowLinkBenchMovesThePredictedBytesAcrossHosts) {
   t::CommandOptions o;
   o.timeout = std::chrono::seconds(300);
-  o.unset_env = {"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT", "GRADSYNC_BACKEND"};
+  o.unset_env = t::launcher_variables({"GRADSYNC_BACKEND"});
   const auto r = t::run({GRADSYNC_PYTHON, std::string(GRADSYNC_SOURCE_DIR) + "/bench/two_hosts_tbf.py",
                          "--gradsync", GRADSYNC_BIN, "--rounds", "1", "--short", "2", "--long", "5"}, o);
   if (r.exit_code == 77) GTEST_SKIP() << r.out;

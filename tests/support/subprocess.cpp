@@ -206,6 +206,20 @@ ProcessResult run(std::vector<std::string> argv, CommandOptions opts) {
   return Process::start(std::move(argv), std::move(opts)).wait();
 }
 
+std::vector<std::string> launcher_variables(std::vector<std::string> also) {
+  std::vector<std::string> names{"RANK", "WORLD_SIZE", "GRADSYNC_STORE_FILE", "MASTER_ADDR", "MASTER_PORT"};
+  names.insert(names.end(), also.begin(), also.end());
+  return names;
+}
+
+CommandOptions job_options(std::chrono::seconds timeout, std::vector<std::string> also_unset) {
+  CommandOptions o;
+  o.timeout = timeout;
+  o.env = {{"OMP_NUM_THREADS", "1"}};
+  o.unset_env = launcher_variables(std::move(also_unset));
+  return o;
+}
+
 namespace {
 
 CommandOptions rank_options(const CommandOptions& base, int rank, int world_size, int port,

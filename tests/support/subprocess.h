@@ -22,6 +22,13 @@ struct CommandOptions {
   bool kill_with_parent = true;
 };
 
+// The variables a launcher (`gradsync launch`, torchrun, mpirun) sets for its ranks, and `also`: what a job a test
+// starts must not inherit from a test binary that is itself run as a rank, or the job would join that one.
+std::vector<std::string> launcher_variables(std::vector<std::string> also = {});
+// A gradsync job as the tests start one: `timeout`, one compute thread per rank (OMP_NUM_THREADS=1: ranks share
+// the cores), launcher_variables(also_unset) removed.
+CommandOptions job_options(std::chrono::seconds timeout, std::vector<std::string> also_unset = {});
+
 struct ProcessResult {
   int exit_code = -1;  // valid when exited normally (127 when the command could not be executed)
   int term_signal = 0;  // non-zero when killed by a signal
