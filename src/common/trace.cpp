@@ -1,4 +1,4 @@
-// One rank's timeline (see trace.h): recording, the per-step breakdown, and the trace-event JSON.
+// One rank's timeline (see trace.h): recording, spans and labels, the per-step breakdown (the JSON is trace_json.cpp).
 #include "gradsync/trace.h"
 
 #include <time.h>
@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <map>
 #include <utility>
-
-#include <nlohmann/json.hpp>
 
 #include "common/trace_step.h"
 

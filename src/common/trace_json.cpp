@@ -90,9 +90,9 @@ std::string trace_json(const std::vector<TraceEvent>& events, const TraceFileInf
   json out = json::array();
   for (const TraceEvent* e : order) {
     const int tid = e->kind == TraceEvent::Kind::Collective ? lanes.assign(*e) : 0;
-    const std::string name = e->kind == TraceEvent::Kind::Wait && !e->label.empty() ? e->name + " " + e->label
-                             : e->label.empty() || e->kind == TraceEvent::Kind::Phase ? e->name
-                             : e->name + " " + e->label;
+    // A phase's label (a checkpoint's step) stays in args; anything else is named with what it belongs to.
+    const bool plain = e->label.empty() || e->kind == TraceEvent::Kind::Phase;
+    const std::string name = plain ? e->name : e->name + " " + e->label;
     out.push_back({{"ph", "X"}, {"name", name}, {"cat", category(e->kind)}, {"pid", info.rank}, {"tid", tid},
                    {"ts", 1e-3 * static_cast<double>(e->begin_ns - info.origin_ns)},
                    {"dur", 1e-3 * static_cast<double>(e->end_ns - e->begin_ns)}, {"args", args_of(*e)}});

@@ -3,25 +3,27 @@
 
 #include <fstream>
 
+#include "common/ring_bytes.h"
+
 namespace gradsync {
 
 void CommStats::add_allgather(int64_t total_bytes, int world) {
-  allgather += total_bytes * (world - 1) / world;
+  allgather += ring_share_sent(total_bytes, world);
   ++calls;
 }
 
 void CommStats::add_reduce_scatter(int64_t total_bytes, int world) {
-  reduce_scatter += total_bytes * (world - 1) / world;
+  reduce_scatter += ring_share_sent(total_bytes, world);
   ++calls;
 }
 
 void CommStats::add_allreduce(int64_t bytes, int world) {
-  allreduce += 2 * bytes * (world - 1) / world;
+  allreduce += ring_allreduce_sent(bytes, world);
   ++calls;
 }
 
 void CommStats::add_replica_allreduce(int64_t bytes, int replicas) {
-  across_replicas += 2 * bytes * (replicas - 1) / replicas;
+  across_replicas += ring_allreduce_sent(bytes, replicas);
   ++calls;
 }
 

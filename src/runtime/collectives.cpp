@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "common/ring_bytes.h"
 #include "gradsync/error.h"
 #include "runtime/peers.h"
 #include "runtime/transport.h"
@@ -194,8 +195,8 @@ PendingWork Collectives::allreduce_sum_async(torch::Tensor& tensor) {
   auto what = describe("allreduce", &tensor, "sum");
   const int64_t bytes = byte_size(tensor);
   mark_launch();
-  return pending(transport_->allreduce_sum(tensor), std::move(what), "allreduce", bytes, 2 * bytes * (size_ - 1) / size_,
-                 true);
+  return pending(transport_->allreduce_sum(tensor), std::move(what), "allreduce", bytes,
+                 ring_allreduce_sent(bytes, size_), true);
 }
 
 torch::Tensor Collectives::reduction_buffer(int64_t numel, c10::ScalarType dtype) {
@@ -249,8 +250,8 @@ PendingWork Collectives::allgather_flat_async(const torch::Tensor& input, torch:
   auto what = describe("allgather", &input);
   const int64_t bytes = byte_size(output);
   mark_launch();
-  return pending(transport_->allgather(input, output), std::move(what), "allgather", bytes, bytes * (size_ - 1) / size_,
-                 false);
+  return pending(transport_->allgather(input, output), std::move(what), "allgather", bytes,
+                 ring_share_sent(bytes, size_), false);
 }
 
 void Collectives::reduce_scatter(const torch::Tensor& input, torch::Tensor& output, Reduction reduction) {
@@ -276,7 +277,7 @@ PendingWork Collectives::reduce_scatter_async(const torch::Tensor& input, torch:
   const auto label = scaled_label(tracer(), factor);
   mark_launch();
   return pending(transport_->reduce_scatter_sum(source, output), std::move(what), "reduce_scatter", bytes,
-                 bytes * (size_ - 1) / size_, true);
+                 ring_share_sent(bytes, size_), true);
 }
 
 std::vector<std::string> Collectives::allgather_strings(const std::string& mine) {
