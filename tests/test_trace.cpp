@@ -16,9 +16,11 @@
 
 #include "gradsync/trace.h"
 #include "support/subprocess.h"
+#include "train/median.h"
 
 namespace t = gradsync::test;
 using gradsync::TraceEvent;
+using gradsync::cli::median;
 using nlohmann::json;
 
 namespace {
@@ -41,11 +43,6 @@ TraceEvent span(TraceEvent::Kind kind, int64_t begin, int64_t end, std::string g
   e.end_ns = end;
   e.group = std::move(group);
   return e;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
 }  // namespace

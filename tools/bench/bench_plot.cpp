@@ -1,21 +1,18 @@
 // --plot of `gradsync bench` (see bench.h): every measured step of both sides, in run order, as one PNG.
-#include <sys/wait.h>
-
 #include <filesystem>
 #include <fstream>
 
 #include <fmt/format.h>
 
 #include "bench/bench.h"
+#include "launch/gnuplot.h"
 #include "launch/spawn.h"
 
 namespace gradsync::cli {
 
 std::string plot_step_times(const std::string& png, const StepStats& gradsync, const StepStats& pytorch,
                             const BenchConfig& c) {
-  if (!find_executable("gnuplot", current_environment())) {
-    return "gnuplot is not installed (Debian: gnuplot-nox, see scripts/install-deps.sh)";
-  }
+  if (auto missing = gnuplot_missing(); !missing.empty()) return missing;
   TempDir dir("gradsync-bench-plot-");
   auto write_data = [&](const char* name, const StepStats& s) {
     std::ofstream out(dir.file(name));
@@ -30,10 +27,7 @@ std::string plot_step_times(const std::string& png, const StepStats& gradsync, c
       "set key top right\nplot 'gradsync.dat' with linespoints title 'gradsync'{}\n",
       target, c.model, c.strategy == "local" ? 1 : c.world_size, c.per_rank_batch, c.threads, c.strategy, c.backend,
       pytorch.step_seconds.empty() ? "" : ", 'pytorch.dat' with linespoints title 'PyTorch DDP (gloo)'");
-  const std::string log = dir.file("gnuplot.log");
-  auto status = run_logged({"gnuplot", "plot.gp"}, dir.path(), log, std::chrono::minutes(1));
-  if (!status || !WIFEXITED(*status) || WEXITSTATUS(*status) != 0) return "gnuplot failed: " + read_text(log);
-  return std::filesystem::exists(target) ? "" : "gnuplot wrote no " + target;
+  return run_gnuplot(dir.path(), "plot.gp", target, std::chrono::minutes(1));
 }
 
 }  // namespace gradsync::cli

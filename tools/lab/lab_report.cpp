@@ -18,6 +18,7 @@
 
 #include "gradsync/error.h"
 #include "lab/lab.h"
+#include "launch/gnuplot.h"
 #include "launch/spawn.h"
 
 namespace gradsync::cli {
@@ -227,9 +228,9 @@ plot "ddp_ranks.dat" using ($0-0.19):(v($2)):xtic(1) with boxes lc rgb "#dd6b20"
 // Runs `gnuplot plots.gp` in the out dir, its output going to gnuplot.log there.
 void render_plots(OutDir& out, LabResults& r) {
   PlotStatus& p = r.plots;
-  if (!find_executable("gnuplot", current_environment())) {
-    p.message = fmt::format("gnuplot is not installed (Debian: gnuplot-nox, see scripts/install-deps.sh); the data "
-                            "and plots.gp are in {}/, render them with `gnuplot plots.gp` there", out.dir());
+  if (auto missing = gnuplot_missing(); !missing.empty()) {
+    p.message = fmt::format("{}; the data and plots.gp are in {}/, render them with `gnuplot plots.gp` there", missing,
+                            out.dir());
     return;
   }
   const std::string log = out.dir() + "/gnuplot.log";

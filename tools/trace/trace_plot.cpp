@@ -1,6 +1,4 @@
 // `gradsync trace plot` (see trace.h): trace-event JSON read into lanes and spans, and their gnuplot timeline.
-#include <sys/wait.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <climits>
@@ -19,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "gradsync/error.h"
+#include "launch/gnuplot.h"
 #include "launch/spawn.h"
 #include "trace/trace.h"
 
@@ -229,17 +228,11 @@ TraceTable read_trace_table(const std::string& json_text) {
 
 std::string plot_trace_table(const TraceTable& table, const std::string& png, const std::string& title) {
   if (table.spans.empty()) return "nothing to draw: the trace holds no spans (\"ph\": \"X\" events)";
-  if (!find_executable("gnuplot", current_environment())) {
-    return "gnuplot is not installed (Debian: gnuplot-nox, see scripts/install-deps.sh)";
-  }
+  if (auto missing = gnuplot_missing(); !missing.empty()) return missing;
   TempDir dir("gradsync-trace-plot-");
   const std::string target = std::filesystem::absolute(png).string();
   std::ofstream(dir.file("plot.gp")) << gnuplot_script(table, target, title, write_category_files(table, dir));
-  const std::string log = dir.file("gnuplot.log");
-  auto status = run_logged({"gnuplot", "plot.gp"}, dir.path(), log, std::chrono::minutes(1));
-  if (!status) return "gnuplot took over a minute and was stopped";
-  if (!WIFEXITED(*status) || WEXITSTATUS(*status) != 0) return "gnuplot failed: " + read_text(log);
-  return std::filesystem::exists(target) ? "" : "gnuplot wrote no " + target;
+  return run_gnuplot(dir.path(), "plot.gp", target, std::chrono::minutes(1));
 }
 
 std::string plot_trace(const std::string& trace_file, const std::string& png, TraceTable* drawn) {

@@ -22,11 +22,13 @@
 namespace gradsync::cli {
 namespace {
 
+// --trace's tracer, or null (a local run has no engine).
+Tracer* tracer_of(const StepContext& ctx) { return ctx.engine ? ctx.engine->tracer() : nullptr; }
+
 // In --dtype whatever the engine computes in (FSDP's --param-dtype): the loss is computed in the model's dtype.
 torch::Tensor forward(const StepContext& ctx, const torch::Tensor& indices) {
-  Tracer* tracer = ctx.engine ? ctx.engine->tracer() : nullptr;
   auto inputs = [&] {
-    TraceSpan span(tracer, "data", TraceEvent::Kind::Phase);
+    TraceSpan span(tracer_of(ctx), "data", TraceEvent::Kind::Phase);
     return ctx.data.inputs.index_select(0, indices);
   }();
   auto output = ctx.engine ? ctx.engine->forward(inputs) : ctx.model.forward(inputs);
@@ -152,7 +154,7 @@ int64_t items_in(const Dataset& data, const torch::Tensor& indices) {
 
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices) {
   auto output = forward(ctx, indices);
-  TraceSpan span(ctx.engine ? ctx.engine->tracer() : nullptr, "loss");
+  TraceSpan span(tracer_of(ctx), "loss");
   return loss_of(ctx.config, output, ctx.data.targets.index_select(0, indices));
 }
 
@@ -161,7 +163,7 @@ ItemLoss micro_batch_items(const StepContext& ctx, const torch::Tensor& indices)
     return {micro_batch_loss(ctx, indices) * static_cast<double>(indices.numel()), indices.numel()};
   }
   auto output = forward(ctx, indices);
-  TraceSpan span(ctx.engine ? ctx.engine->tracer() : nullptr, "loss");
+  TraceSpan span(tracer_of(ctx), "loss");
   return {token_loss(output, ctx.data.targets.index_select(0, indices), /*mean=*/false), items_in(ctx.data, indices)};
 }
 
