@@ -26,6 +26,7 @@
 #include <fmt/ranges.h>
 
 #include "gradsync/error.h"
+#include "launch/elastic.h"
 #include "launch/line_forwarder.h"
 #include "launch/mpirun.h"
 #include "launch/rank_environment.h"
@@ -43,8 +44,11 @@ constexpr auto kDrainTimeout = std::chrono::milliseconds(500);
 
 template <typename... Args>
 void report(fmt::format_string<Args...> format, Args&&... args) {
-  write_all(STDERR_FILENO, "gradsync launch: " + fmt::format(format, std::forward<Args>(args)...) + "\n");
+  report_line(fmt::format(format, std::forward<Args>(args)...));
 }
+
+// How often a watch asks whether the round still runs.
+constexpr auto kWatchInterval = std::chrono::milliseconds(1000);
 
 // The state letter of /proc/<pid>/stat (R, S, T, Z, ...), '?' when it cannot be read.
 char process_state(pid_t pid) {
@@ -70,12 +74,14 @@ struct Rank {
 
 class Launcher {
  public:
-  explicit Launcher(const LaunchOptions& options) : options_(options) {}
+  Launcher(const LaunchOptions& options, GroupWatch watch) : options_(options), watch_(std::move(watch)) {}
 
   // The first failure, as reported ("rank 1 (pid 123) was killed by signal 9 (Killed)"); "" when none.
   const std::string& first_failure() const { return first_failure_; }
   // Stopped by a signal to the launcher (SIGINT, SIGTERM, SIGHUP): a restart would not be wanted.
   bool signalled() const { return launcher_signals_ > 0; }
+  // Why the watch stopped the ranks; "" when it did not.
+  const std::string& interrupted() const { return interrupted_; }
 
   int run() {
     int port = options_.master_port != 0 ? options_.master_port : free_port();
@@ -186,7 +192,18 @@ class Launcher {
     for (Rank& r : ranks_) read_outputs(r);
     handle_signals();
     reap_ranks();
+    ask_watch();
     if (kill_at_ && Clock::now() >= *kill_at_) signal_running(SIGKILL);
+  }
+
+  void ask_watch() {
+    if (!watch_ || exit_code_ || Clock::now() < next_watch_) return;
+    next_watch_ = Clock::now() + kWatchInterval;
+    if (auto why = watch_(); !why.empty()) {
+      interrupted_ = std::move(why);
+      fail(0);  // stopping, and no rank's exit from now on is a failure of its own
+      stop(SIGTERM);
+    }
   }
 
   static void read_outputs(Rank& r) {
@@ -306,6 +323,9 @@ class Launcher {
   }
 
   const LaunchOptions& options_;
+  GroupWatch watch_;
+  Clock::time_point next_watch_ = Clock::now() + kWatchInterval;
+  std::string interrupted_;
   std::vector<Rank> ranks_;
   SignalPipe* signals_ = nullptr;
   std::optional<Clock::time_point> kill_at_;
@@ -351,27 +371,38 @@ void validate(const LaunchOptions& o) {
     throw ConfigError(fmt::format("--max-restarts must be an integer from 0 to {}, got '{}'", kMaxRestarts,
                                   o.max_restarts));
   }
+  if (o.min_nodes > 0) validate_elastic(o);
   if (o.command.empty() || o.command[0].empty()) {
     throw ConfigError("a command to run is required after '--'");
   }
+}
+
+GroupResult run_group(const LaunchOptions& options, const GroupWatch& watch) {
+  Launcher launcher(options, watch);
+  GroupResult result;
+  result.code = launcher.run();
+  result.first_failure = launcher.first_failure();
+  result.signalled = launcher.signalled();
+  result.interrupted = launcher.interrupted();
+  return result;
 }
 
 // Like torchrun's elastic agent: a failed group is stopped whole and started again, with
 // TORCHELASTIC_RESTART_COUNT telling the ranks which attempt this is (they resume from their checkpoint).
 int launch(const LaunchOptions& options) {
   validate(options);
+  if (options.min_nodes > 0) return launch_elastic(options);
   std::string first_failure;
   int first_code = 0;
   for (int attempt = 0;; ++attempt) {
     LaunchOptions attempt_options = options;
     attempt_options.restart_count = attempt;
-    Launcher launcher(attempt_options);
-    const int code = launcher.run();
+    const GroupResult group = run_group(attempt_options);
     // A signal to the launcher means stop; a command that cannot be executed will not run the next time either.
-    if (code == 0 || code == 127 || launcher.signalled()) return code;
+    if (group.code == 0 || group.code == 127 || group.signalled) return group.code;
     if (first_failure.empty()) {
-      first_failure = launcher.first_failure();
-      first_code = code;
+      first_failure = group.first_failure;
+      first_code = group.code;
     }
     if (attempt == options.max_restarts) {
       if (options.max_restarts > 0) {
@@ -382,6 +413,8 @@ int launch(const LaunchOptions& options) {
     report("restarting the group ({} of {})", attempt + 1, options.max_restarts);
   }
 }
+
+void report_line(const std::string& line) { write_all(STDERR_FILENO, "gradsync launch: " + line + "\n"); }
 
 void print_error(const std::exception& e) {
   const auto* torch_error = dynamic_cast<const c10::Error*>(&e);

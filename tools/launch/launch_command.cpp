@@ -19,9 +19,9 @@
 namespace gradsync::cli {
 namespace {
 
-constexpr const char* kUsage = "usage: gradsync launch -n N [--nnodes M --node-rank R] [--master-addr A] "
-                               "[--master-port P] [--grace-period SECONDS] [--max-restarts R] [--no-prefix] [--backend gloo|mpi] "
-                               "-- CMD [ARGS...]";
+constexpr const char* kUsage = "usage: gradsync launch -n N [--nnodes M --node-rank R | --nnodes MIN:MAX "
+                               "--rdzv-endpoint HOST:PORT] [--master-addr A] [--master-port P] [--grace-period SECONDS] "
+                               "[--max-restarts R] [--no-prefix] [--backend gloo|mpi] -- CMD [ARGS...]";
 
 struct CliArgs {
   std::string nproc = "1";
@@ -33,6 +33,8 @@ struct CliArgs {
   std::string master_port = "0";
   std::string grace = "5";
   std::string max_restarts = "0";
+  std::string rdzv_endpoint, rdzv_id = "none", rdzv_backend = "c10d";
+  std::string rdzv_timeout = "600", last_call = "30";
   bool no_prefix = false;
   std::string backend;
   std::vector<std::string> command;
@@ -64,10 +66,30 @@ std::chrono::milliseconds parse_seconds(const std::string& text, const char* opt
   return std::chrono::milliseconds(static_cast<long>(std::llround(seconds * 1000)));
 }
 
+// --nnodes N, or MIN:MAX (elastic): torchrun's syntax.
+void parse_nnodes(const std::string& text, LaunchOptions& o) {
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    o.nnodes = parse_int_in(text, "--nnodes", 1, kMaxNproc);
+    return;
+  }
+  const auto bad = [&] {
+    return ConfigError(fmt::format("--nnodes MIN:MAX needs integers 1 <= MIN <= MAX <= {}, got '{}'", kMaxNproc, text));
+  };
+  const auto lo = parse_long(text.substr(0, colon)), hi = parse_long(text.substr(colon + 1));
+  if (!lo || !hi || *lo < 1 || *hi < *lo || *hi > kMaxNproc) throw bad();
+  o.min_nodes = static_cast<int>(*lo);
+  o.max_nodes = static_cast<int>(*hi);
+}
+
 LaunchOptions to_options(const CliArgs& a) {
   LaunchOptions o;
   o.nproc = parse_int_in(a.nproc, "-n/--nproc-per-node", 1, kMaxNproc);
-  o.nnodes = parse_int_in(a.nnodes, "--nnodes", 1, kMaxNproc);
+  parse_nnodes(a.nnodes, o);
+  if (o.min_nodes > 0 && a.node_rank != "0") {
+    throw ConfigError(fmt::format("--node-rank {} with --nnodes {}: an elastic job numbers its nodes itself at every "
+                                  "rendezvous; drop --node-rank", a.node_rank, a.nnodes));
+  }
   o.node_rank = parse_int_in(a.node_rank, "--node-rank", 0, o.nnodes - 1,
                              fmt::format(" (one less than --nnodes {})", o.nnodes).c_str());
   if (a.standalone && o.nnodes > 1) {
@@ -77,6 +99,10 @@ LaunchOptions to_options(const CliArgs& a) {
   o.master_port = parse_int_in(a.master_port, "--master-port", 0, 65535, " (0: pick a free port)");
   o.grace = parse_seconds(a.grace, "--grace-period");
   o.max_restarts = parse_int_in(a.max_restarts, "--max-restarts", 0, kMaxRestarts);
+  o.rdzv_endpoint = a.rdzv_endpoint;
+  o.rdzv_id = a.rdzv_id;
+  o.rdzv_timeout = parse_seconds(a.rdzv_timeout, "--rdzv-timeout");
+  o.last_call = parse_seconds(a.last_call, "--rdzv-last-call");
   o.prefix_output = !a.no_prefix;
   o.command = a.command;
   o.backend = backend_of(a.backend);
@@ -93,12 +119,26 @@ void add_launch_command(CLI::App& root, int& exit_code) {
       "Run CMD as N local ranks (torchrun --standalone --nproc_per_node N --no_python), or as this node's N "
       "ranks of a job of --nnodes launchers: sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT, "
       "GRADSYNC_STORE_FILE (one node), ...; prefixes output with [rank<r>]; stops all ranks when one fails and "
-      "exits with its status. Put `--` before CMD.");
+      "exits with its status. With --nnodes MIN:MAX the job is elastic: it re-forms when a node is lost or joins. "
+      "Put `--` before CMD.");
   // torchrun's spellings (--nproc_per_node, --node_rank, ...) are accepted beside gradsync's.
   sub->add_option("-n,--nproc-per-node,--nproc_per_node", args->nproc, "ranks on this node, 1..1024 (default 1)");
   sub->add_option("--nnodes", args->nnodes,
                   "launchers (nodes) forming one job, 1..1024 (default 1); every launcher needs the same "
-                  "--nnodes, --nproc-per-node, --master-addr and --master-port, and its own --node-rank");
+                  "--nnodes, --nproc-per-node, --master-addr and --master-port, and its own --node-rank. MIN:MAX: "
+                  "an elastic job of MIN to MAX nodes meeting at --rdzv-endpoint, re-formed when a node is lost "
+                  "or joins (with --max-restarts failures)");
+  sub->add_option("--rdzv-endpoint,--rdzv_endpoint", args->rdzv_endpoint,
+                  "HOST:PORT where an elastic job's launchers meet (default --master-addr:--master-port); the "
+                  "launcher on HOST serves the rendezvous there, with GRADSYNC_STORE_TOKEN if set, and is the one "
+                  "node the job cannot lose");
+  sub->add_option("--rdzv-id,--rdzv_id", args->rdzv_id, "the elastic job's name at the rendezvous (default none)");
+  sub->add_option("--rdzv-backend,--rdzv_backend", args->rdzv_backend, "accepted for torchrun compatibility: c10d")
+      ->check(CLI::IsMember({"c10d"}));
+  sub->add_option("--rdzv-timeout", args->rdzv_timeout,
+                  "seconds a round may take to gather MIN nodes before every launcher gives up (default 600)");
+  sub->add_option("--rdzv-last-call", args->last_call,
+                  "seconds to wait for more nodes once MIN have joined a round (default 30)");
   sub->add_option("--node-rank,--node_rank", args->node_rank,
                   "this launcher's node, 0..nnodes-1 (default 0): its ranks are node_rank * nproc_per_node + i");
   sub->add_option("--master-addr,--master_addr", args->master_addr,

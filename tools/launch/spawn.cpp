@@ -5,6 +5,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -198,20 +199,27 @@ Spawned spawn(const SpawnRequest& request) {
   return Spawned{pid, read_exec_report(report.read_fd())};
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) throw_errno("socket");
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+int free_port(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (const int err = getaddrinfo(host.c_str(), "0", &hints, &found); err != 0 || found == nullptr) {
+    throw std::system_error(std::make_error_code(std::errc::invalid_argument),
+                            fmt::format("cannot find a free port on {}: {}", host, gai_strerror(err)));
+  }
+  int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage addr{};
   socklen_t len = sizeof addr;
-  bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+  bool ok = fd >= 0 && bind(fd, found->ai_addr, found->ai_addrlen) == 0 &&
             getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   int saved = errno;
-  close(fd);
+  freeaddrinfo(found);
+  if (fd >= 0) close(fd);
   errno = saved;
-  if (!ok) throw_errno("cannot find a free port on 127.0.0.1");
-  return ntohs(addr.sin_port);
+  if (!ok) throw_errno(fmt::format("cannot find a free port on {}", host));
+  const auto* v4 = reinterpret_cast<const sockaddr_in*>(&addr);
+  const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&addr);
+  return ntohs(addr.ss_family == AF_INET6 ? v6->sin6_port : v4->sin_port);
 }
 
 std::string temp_root() {

@@ -84,9 +84,9 @@ std::optional<int> run_logged(const std::vector<std::string>& argv, const std::s
 // The whole text of `path` ("" when it cannot be read): what a run_logged() child wrote to its log.
 std::string read_text(const std::string& path);
 
-// A TCP port that was free on 127.0.0.1 a moment ago (bind to port 0, read it back, close). Racy by nature:
-// someone may take it before the rank that needs it binds it, as with torchrun --standalone.
-int free_port();
+// A TCP port that was free on `host` (an address of this machine) a moment ago (bind to port 0, read it back,
+// close). Racy by nature: someone may take it before the rank that needs it binds it, as with torchrun --standalone.
+int free_port(const std::string& host = "127.0.0.1");
 
 // Where temp files and directories go: $TMPDIR, else /tmp.
 std::string temp_root();

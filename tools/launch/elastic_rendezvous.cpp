@@ -1,0 +1,286 @@
+// The elastic rendezvous (see elastic_rendezvous.h).
+#include "launch/elastic_rendezvous.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <future>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "gradsync/error.h"
+#include "launch/spawn.h"
+#include "runtime/store_server.h"
+#include "runtime/tcp_probe.h"
+
+namespace gradsync::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kPoll = std::chrono::milliseconds(100);
+// No single store request waits longer (a cut link answers nothing): a launcher notices within this.
+constexpr auto kMaxRequest = std::chrono::milliseconds(10000);
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+// The address this host sends from towards `e` (a UDP connect routes without sending anything).
+std::string local_address_towards(const Endpoint& e) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(e.host.c_str(), std::to_string(e.port).c_str(), &hints, &found) != 0 || found == nullptr) {
+    throw ConfigError(fmt::format("--rdzv-endpoint {}:{}: the host name cannot be resolved", e.host, e.port));
+  }
+  std::string address;
+  const int fd = socket(found->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage local{};
+  socklen_t len = sizeof local;
+  char buffer[INET6_ADDRSTRLEN] = {};
+  if (fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&local);
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&local);
+    const void* raw = local.ss_family == AF_INET6 ? static_cast<const void*>(&v6->sin6_addr) : &v4->sin_addr;
+    if (inet_ntop(local.ss_family, raw, buffer, sizeof buffer) != nullptr) address = buffer;
+  }
+  if (fd >= 0) close(fd);
+  freeaddrinfo(found);
+  if (address.empty()) {
+    throw DistributedError(fmt::format("no route from this host to the rendezvous at {}:{}", e.host, e.port));
+  }
+  return address;
+}
+
+std::string node_entry(const ElasticNode& n) {
+  return fmt::format("{} {} {} {}", n.address, n.pid, n.nproc, n.host ? 1 : 0);
+}
+
+ElasticNode parse_node(const std::string& entry) {
+  std::istringstream in(entry);
+  ElasticNode n;
+  int host = 0;
+  in >> n.address >> n.pid >> n.nproc >> host;
+  n.host = host != 0;
+  return n;
+}
+
+std::string names(const std::vector<ElasticNode>& nodes) {
+  std::vector<std::string> out;
+  for (const auto& n : nodes) out.push_back(n.name());
+  return out.empty() ? "none" : fmt::format("{}", fmt::join(out, ", "));
+}
+
+}  // namespace
+
+std::string ElasticNode::name() const { return fmt::format("{} (pid {})", address, pid); }
+
+struct ElasticRendezvous::Impl {
+  const LaunchOptions& options;
+  std::unique_ptr<StoreServer> server;
+  c10::intrusive_ptr<c10d::Store> store;
+  ElasticNode me;
+
+  explicit Impl(const LaunchOptions& o) : options(o) {}
+
+  std::string key(int round, const std::string& what) const { return fmt::format("r{}/{}", round, what); }
+  // Every request runs on a thread of its own and is waited for `limit` at most: over a cut link c10d's client may
+  // wait for an answer forever, and the launcher must still stop its ranks and exit. A request left behind keeps
+  // its store alive; the launcher exits soon after (every caller of a failed request gives up).
+  template <typename Fn>
+  auto bounded(const std::string& what, std::chrono::milliseconds limit, Fn fn) -> decltype(fn(*store)) {
+    using Result = decltype(fn(*store));
+    auto task = std::make_shared<std::packaged_task<Result()>>([s = store, fn] { return fn(*s); });
+    auto result = task->get_future();
+    std::thread([task] { (*task)(); }).detach();
+    if (result.wait_for(limit) != std::future_status::ready) {
+      const auto e = endpoint_of(options);
+      throw DistributedError(fmt::format("the elastic rendezvous store at {}:{} did not answer {} within {} s", e.host,
+                                         e.port, what, limit.count() / 1000.0));
+    }
+    return result.get();
+  }
+  std::chrono::milliseconds request_limit() const { return std::min(options.rdzv_timeout, kMaxRequest); }
+
+  int64_t add(const std::string& k, int64_t delta) {
+    return bounded("add('" + k + "')", request_limit(), [k, delta](c10d::Store& st) { return st.add(k, delta); });
+  }
+  int64_t count(const std::string& k) { return add(k, 0); }
+  void set(const std::string& k, const std::string& v) {
+    bounded("set('" + k + "')", request_limit(), [k, v](c10d::Store& st) { st.set(k, bytes(v)); return 0; });
+  }
+  std::string compare_set(const std::string& k, const std::string& v) {
+    return bounded("compare_set('" + k + "')", request_limit(),
+                   [k, v](c10d::Store& st) { return text(st.compareSet(k, {}, bytes(v))); });
+  }
+  std::optional<std::string> peek(const std::string& k) {
+    return bounded("check('" + k + "')", request_limit(), [k](c10d::Store& st) -> std::optional<std::string> {
+      if (!st.check({k})) return std::nullopt;
+      return text(st.get(k));
+    });
+  }
+  std::string wait_get(const std::string& k, std::chrono::milliseconds timeout) {
+    return bounded("wait('" + k + "')", timeout + request_limit(), [k, timeout](c10d::Store& st) {
+      st.wait({k}, timeout);
+      return text(st.get(k));
+    });
+  }
+
+  // Arrival i of the round (its number is taken just before its entry is written: allow that moment).
+  ElasticNode node(int round, int64_t i) { return parse_node(wait_get(key(round, fmt::format("node/{}", i)), kMaxRequest)); }
+
+  // The host's part: closes round `round` once MAX came, or MIN and the last call passed; aborts below MIN.
+  void close(int round, const std::vector<ElasticNode>& previous) {
+    const auto opened = Clock::now();
+    std::optional<Clock::time_point> min_at;
+    for (;; std::this_thread::sleep_for(kPoll)) {
+      const int64_t joined = count(key(round, "joined"));
+      const auto now = Clock::now();
+      if (joined >= options.min_nodes && !min_at) min_at = now;
+      const bool full = joined >= options.max_nodes, last_call_over = min_at && now - *min_at >= options.last_call;
+      if (full || last_call_over) {
+        const int64_t members = std::min<int64_t>(joined, options.max_nodes);
+        const int port = free_port(endpoint_of(options).host);
+        set(key(round, "closed"), fmt::format("{} {}", members, port));
+        return;
+      }
+      if (now - opened >= options.rdzv_timeout) return abort(round, joined, previous);
+    }
+  }
+
+  // A late arrival: true once round `round` has ended (join the next), false when its members all finished. No
+  // timeout: a full round may run for as long as the job does.
+  bool wait_for_next(int round, int64_t members) {
+    for (;; std::this_thread::sleep_for(std::chrono::seconds(1))) {
+      if (peek(key(round, "end"))) return true;
+      if (count(key(round, "succeeded")) >= members) return false;
+    }
+  }
+
+  void abort(int round, int64_t joined, const std::vector<ElasticNode>& previous) {
+    std::vector<ElasticNode> came;
+    for (int64_t i = 0; i < joined; ++i) came.push_back(node(round, i));
+    std::vector<ElasticNode> lost;
+    for (const auto& n : previous) {
+      if (std::find(came.begin(), came.end(), n) == came.end()) lost.push_back(n);
+    }
+    const auto why = fmt::format(
+        "round {}: {} node(s) joined within the rendezvous timeout of {} s, fewer than the minimum {} (--nnodes {}:{}); "
+        "joined: {}; lost since the last round: {}", round, joined, options.rdzv_timeout.count() / 1000.0,
+        options.min_nodes, options.min_nodes, options.max_nodes, names(came), names(lost));
+    set(key(round, "closed"), "abort " + why);
+  }
+};
+
+ElasticRendezvous::ElasticRendezvous(const LaunchOptions& options)
+    : impl_(std::make_unique<Impl>(options)), endpoint_(endpoint_of(options)) {
+  const char* token = std::getenv("GRADSYNC_STORE_TOKEN");
+  const std::string secret = token != nullptr ? token : "";
+  try {
+    StoreServerOptions server;
+    server.host = endpoint_.host;
+    server.port = static_cast<uint16_t>(endpoint_.port);
+    server.token = secret;
+    impl_->server = std::make_unique<StoreServer>(server);
+  } catch (const DistributedError&) {
+    // Not this host's address (or another launcher here serves it already): a client only.
+  }
+  const auto timeout = std::min<std::chrono::milliseconds>(options.rdzv_timeout, kMaxRequest);
+  const auto deadline = Clock::now() + options.rdzv_timeout;
+  if (const auto error = wait_until_accepting(endpoint_.host, endpoint_.port, deadline); !error.empty()) {
+    throw DistributedError(fmt::format("cannot reach the elastic rendezvous at {}:{} within {} s: {} (the launcher "
+                                       "serving it runs where --rdzv-endpoint's address is)", endpoint_.host,
+                                       endpoint_.port, options.rdzv_timeout.count() / 1000.0, error));
+  }
+  c10d::TCPStoreOptions client;
+  client.port = static_cast<uint16_t>(endpoint_.port);
+  client.isServer = false;
+  client.waitWorkers = false;
+  client.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::TCPStore>(endpoint_.host, client);
+  if (!secret.empty()) store = c10::make_intrusive<c10d::PrefixStore>(secret, store);
+  impl_->store = c10::make_intrusive<c10d::PrefixStore>("gradsync-elastic/" + options.rdzv_id, store);
+  impl_->me = {local_address_towards(endpoint_), static_cast<long>(::getpid()), options.nproc, hosting()};
+  if (hosting()) impl_->me.address = endpoint_.host;  // the address the others reach it by
+}
+
+ElasticRendezvous::~ElasticRendezvous() = default;
+
+bool ElasticRendezvous::hosting() const { return impl_->server != nullptr; }
+
+Membership ElasticRendezvous::join(int round, const std::vector<ElasticNode>& previous) {
+  auto& s = *impl_;
+  const auto& o = s.options;
+  if (round < 0) round = std::stoi(s.wait_get("current", o.rdzv_timeout));  // a newcomer
+  for (;; ++round) {
+    if (hosting()) s.set("current", std::to_string(round));
+    const int64_t arrival = s.add(s.key(round, "joined"), 1) - 1;
+    s.set(s.key(round, fmt::format("node/{}", arrival)), node_entry(s.me));
+    if (hosting()) s.close(round, previous);
+    const std::string closed = s.wait_get(s.key(round, "closed"), o.rdzv_timeout + o.last_call + kMaxRequest);
+    if (closed.rfind("abort ", 0) == 0) throw RendezvousAborted(closed.substr(6));
+    Membership m;
+    m.round = round;
+    int64_t members = 0;
+    std::istringstream(closed) >> members >> m.master_port;
+    if (arrival >= members) {  // came after the close: the running members restart for us
+      s.add(s.key(round, "waiting"), 1);
+      report_line(fmt::format("round {} is already running with {} node(s); waiting for the next", round, members));
+      if (!s.wait_for_next(round, members)) return m;  // the job finished without this node: no members
+      continue;
+    }
+    for (int64_t i = 0; i < members; ++i) m.nodes.push_back(s.node(round, i));
+    std::sort(m.nodes.begin(), m.nodes.end(), [](const ElasticNode& a, const ElasticNode& b) {
+      return std::make_tuple(!a.host, a.address, a.pid) < std::make_tuple(!b.host, b.address, b.pid);
+    });
+    m.node_rank = static_cast<int>(std::find(m.nodes.begin(), m.nodes.end(), s.me) - m.nodes.begin());
+    for (const auto& n : m.nodes) {
+      if (n.nproc != o.nproc) {
+        throw RendezvousAborted(fmt::format("round {}: node {} runs -n {} and node {} -n {}: every node of an elastic "
+                                            "job runs the same number of ranks", round, n.name(), n.nproc,
+                                            s.me.name(), o.nproc));
+      }
+    }
+    return m;
+  }
+}
+
+std::string ElasticRendezvous::ended(int round) { return impl_->peek(impl_->key(round, "end")).value_or(""); }
+
+std::string ElasticRendezvous::end(int round, const std::string& why) {
+  return impl_->compare_set(impl_->key(round, "end"), why);
+}
+
+int64_t ElasticRendezvous::waiting(int round) { return impl_->count(impl_->key(round, "waiting")); }
+
+bool ElasticRendezvous::finish(const Membership& m) {
+  auto& s = *impl_;
+  s.add(s.key(m.round, "succeeded"), 1);
+  const auto members = static_cast<int64_t>(m.nodes.size());
+  const auto deadline = Clock::now() + s.options.rdzv_timeout;
+  for (;; std::this_thread::sleep_for(kPoll)) {
+    if (s.count(s.key(m.round, "succeeded")) == members) break;
+    if (!ended(m.round).empty()) return false;
+    if (Clock::now() >= deadline) {
+      throw DistributedError(fmt::format("round {}: this node's ranks finished, the others' did not within {} s",
+                                         m.round, s.options.rdzv_timeout.count() / 1000.0));
+    }
+  }
+  if (!hosting()) {
+    s.add(s.key(m.round, "left"), 1);  // the last request: the host may stop serving after it
+    return true;
+  }
+  while (s.count(s.key(m.round, "left")) < members - 1 && Clock::now() < deadline) std::this_thread::sleep_for(kPoll);
+  return true;
+}
+
+}  // namespace gradsync::cli
