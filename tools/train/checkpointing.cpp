@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -94,8 +96,19 @@ std::map<std::string, std::string> configuration_fingerprint(const TrainConfig& 
           {"--sync-bn", c.sync_bn ? "true" : "false"}};
 }
 
+int64_t accumulate_after_resize(int64_t accumulate, int ranks, int new_ranks, int64_t global_batch) {
+  if (global_batch % new_ranks != 0) return 0;
+  const int64_t per_rank = global_batch / new_ranks, at_least = (accumulate * ranks + new_ranks - 1) / new_ranks;
+  for (int64_t k = std::max<int64_t>(at_least, 1); k <= per_rank; ++k) {
+    if (per_rank % k == 0) return k;
+  }
+  return per_rank;  // a micro-batch of one sample
+}
+
 TrainCheckpoints::TrainCheckpoints(const TrainConfig& config, Collectives* comm)
-    : config_(config), rank_(comm ? comm->rank() : 0) {
+    : config_(config), accumulate_(config.accumulate), ranks_(comm ? comm->size() : 1),
+      world_size_(comm ? comm->size() : 1),
+      rank_(comm ? comm->rank() : 0) {
   if (config.checkpoint_dir.empty()) return;
   checkpoints_.emplace(config.checkpoint_dir, comm, config.keep_checkpoints);
   // A fresh run in a directory of an earlier one would mix two histories (and --resume would pick the other's).
@@ -111,22 +124,57 @@ TrainCheckpoints::TrainCheckpoints(const TrainConfig& config, Collectives* comm)
   }
 }
 
+const std::optional<CheckpointInfo>& TrainCheckpoints::latest() {
+  if (!latest_) latest_ = checkpoints_ && config_.resume ? checkpoints_->latest() : std::nullopt;
+  return *latest_;
+}
+
+int64_t TrainCheckpoints::accumulate_for(int world_size) {
+  ranks_ = world_size;
+  const auto& last = latest();
+  // Saved before K was recorded, or not by a run of this command line: --accumulate as given.
+  if (!last || !last->meta.count("accumulate") || meta_int(*last, "flag --accumulate") != config_.accumulate) {
+    return accumulate_ = config_.accumulate;
+  }
+  const int64_t k = meta_int(*last, "accumulate");
+  // The schedule's ranks: the world's, or those a local run replays (--replay-ranks).
+  const auto ranks = last->meta.count("ranks") ? meta_int(*last, "ranks") : last->world_size;
+  const int64_t resized = accumulate_after_resize(k, static_cast<int>(ranks), world_size, config_.global_batch);
+  return accumulate_ = resized > 0 ? resized : config_.accumulate;  // 0: validate() names the batch that cannot split
+}
+
 Position TrainCheckpoints::resume(Engine& engine, torch::optim::Optimizer& optimizer) {
   if (!checkpoints_ || !config_.resume) return {};
-  const auto latest = checkpoints_->latest();
-  const bool say = rank_ == 0 && !config_.quiet;
-  if (!latest) {
-    if (say) fmt::print("gradsync train: --resume: no checkpoint in {} yet; starting at step 0\n", checkpoints_->dir());
+  const auto& found = latest();
+  if (!found) {
+    if (rank_ == 0 && !config_.quiet) {
+      fmt::print("gradsync train: --resume: no checkpoint in {} yet; starting at step 0\n", checkpoints_->dir());
+    }
     return {};
   }
-  check_fingerprint(*latest, config_);
-  const Position at{meta_int(*latest, "step"), meta_int(*latest, "epoch"), meta_int(*latest, "step_in_epoch")};
-  checkpoints_->load(*latest, engine, optimizer);
-  if (say) {
-    fmt::print("gradsync train: resuming from {} (step {}, epoch {}, step {} of the epoch; saved by {} rank(s) "
-               "under {})\n", latest->path, at.step, at.epoch, at.step_in_epoch, latest->world_size, latest->engine);
-  }
+  check_fingerprint(*found, config_);
+  const Position at{meta_int(*found, "step"), meta_int(*found, "epoch"), meta_int(*found, "step_in_epoch")};
+  checkpoints_->load(*found, engine, optimizer);
+  if (rank_ == 0 && !config_.quiet) say_resuming(*found, at);
   return at;
+}
+
+// One line. At another world size, or after an elastic launcher re-formed the job, it says what changed: the
+// nodes, the world, the step resumed from and K; the global batch, and so what each step's mean is over, stays.
+void TrainCheckpoints::say_resuming(const CheckpointInfo& latest, const Position& at) const {
+  const char* change = std::getenv("GRADSYNC_ELASTIC_CHANGE");
+  const bool elastic = change != nullptr && *change != '\0';
+  if (!elastic && latest.world_size == world_size_) {
+    fmt::print("gradsync train: resuming from {} (step {}, epoch {}, step {} of the epoch; saved by {} rank(s) "
+               "under {})\n", latest.path, at.step, at.epoch, at.step_in_epoch, latest.world_size, latest.engine);
+    return;
+  }
+  const auto k = latest.meta.find("accumulate");
+  fmt::print("gradsync train: {}{} ranks (were {}) resume from step {} (epoch {}, step {} of the epoch; {}) with "
+             "--accumulate {} (was {}): every step is still the mean over the global batch of {}\n",
+             elastic ? fmt::format("elastic restart ({}): ", change) : "", world_size_, latest.world_size, at.step,
+             at.epoch, at.step_in_epoch, latest.path, accumulate_, k != latest.meta.end() ? k->second : "not recorded",
+             config_.global_batch);
 }
 
 void TrainCheckpoints::after_step(const Position& next, int64_t total_steps, Engine& engine,
@@ -137,7 +185,10 @@ void TrainCheckpoints::after_step(const Position& next, int64_t total_steps, Eng
   if (!due) return;
   auto meta = std::map<std::string, std::string>{{"step", std::to_string(next.step)},
                                                  {"epoch", std::to_string(next.epoch)},
-                                                 {"step_in_epoch", std::to_string(next.step_in_epoch)}};
+                                                 {"step_in_epoch", std::to_string(next.step_in_epoch)},
+                                                 {"accumulate", std::to_string(accumulate_)},
+                                                 {"ranks", std::to_string(ranks_)},
+                                                 {"flag --accumulate", std::to_string(config_.accumulate)}};
   for (const auto& [flag, value] : configuration_fingerprint(config_)) meta["flag " + flag] = value;
   TraceSpan span(engine.tracer(), "checkpoint", TraceEvent::Kind::Phase, "step " + std::to_string(next.step));
   checkpoints_->save(next.step, engine, optimizer, meta);

@@ -56,7 +56,8 @@ void StepLog::check() {
 void StepLog::write(const StepRecord& r) {
   if (!file_.is_open()) return;
   nlohmann::json line{{"step", r.step}, {"epoch", r.epoch}, {"loss", r.loss}, {"samples", r.samples},
-                      {"seconds", r.seconds}};
+                      {"seconds", r.seconds}, {"world_size", r.world_size}, {"accumulate", r.accumulate}};
+  if (!r.sample_ids.empty()) line["sample_ids"] = r.sample_ids;
   if (r.memory_peak >= 0) line["memory_peak"] = r.memory_peak;
   if (r.rss_peak >= 0) line["rss_peak"] = r.rss_peak;
   if (r.sent_bytes >= 0) line["sent_bytes"] = r.sent_bytes;

@@ -77,7 +77,7 @@ int64_t total_steps(const TrainConfig& c, int64_t steps_per_epoch) {
 
 }  // namespace
 
-void validate(const TrainConfig& c, int world_size) {
+void validate(const TrainConfig& c, int world_size, bool check_batch) {
   parse_flag("--model", c.model, parse_model_spec);
   parse_flag("--loss", c.loss, parse_loss_kind);
   parse_flag("--reduction", c.reduction, parse_reduction);
@@ -104,7 +104,7 @@ void validate(const TrainConfig& c, int world_size) {
   if (c.steps && *c.steps < 0) throw ConfigError(fmt::format("--steps {} is invalid; expected >= 0", *c.steps));
   if (c.epochs && *c.epochs < 0) throw ConfigError(fmt::format("--epochs {} is invalid; expected >= 0", *c.epochs));
   const int64_t ranks_times_k = std::max(world_size, c.replay_ranks) * c.accumulate;
-  if (c.global_batch % ranks_times_k != 0) {
+  if (check_batch && c.global_batch % ranks_times_k != 0) {
     throw ConfigError(fmt::format(
         "--global-batch {} is not divisible by world size {} x accumulate {} = {}: each rank's micro-batch is "
         "B/(N*K) samples; choose B as a multiple of {}",
@@ -250,6 +250,9 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
   const auto start = Clock::now();
   loop.trace.begin_step(step);
   inject_crash(loop.ctx, step);
+  record.world_size = loop.schedule.world_size();
+  record.accumulate = loop.c.accumulate;
+  if (loop.c.log_samples) record.sample_ids = step_sample_ids(loop.ctx, loop.schedule, s);
   RecordTotals totals;
   try {
     totals = loop.step_fn(loop.ctx, loop.schedule, s, record);
@@ -279,14 +282,17 @@ StepRecord run_step(const Loop& loop, int64_t step, int64_t epoch, int64_t s) {
 
 }  // namespace
 
-std::vector<StepRecord> train_rank(const TrainConfig& c, const std::shared_ptr<World>& world) {
+std::vector<StepRecord> train_rank(const TrainConfig& given, const std::shared_ptr<World>& world) {
   const int rank = world ? world->rank() : 0;
-  validate(c, world ? world->size() : 1);
+  // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
+  const int ranks = world ? world->size() : std::max(given.replay_ranks, 1), processes = world ? world->size() : 1;
+  validate(given, processes, /*check_batch=*/!given.resume);  // K may change with the world size (accumulate_for)
+  TrainCheckpoints checkpoints(given, world ? &world->comm() : nullptr);
+  TrainConfig c = given;
+  c.accumulate = checkpoints.accumulate_for(ranks);
+  validate(c, processes);
   TraceSession trace(c.trace_dir, world);  // before the engine: its groups report to the tracer
   auto run = set_up(c, world);
-  TrainCheckpoints checkpoints(c, world ? &world->comm() : nullptr);
-  // The data schedule of `ranks` ranks: this job's, or the one a local run replays.
-  const int ranks = world ? world->size() : std::max(c.replay_ranks, 1);
   const int64_t b = c.global_batch / (ranks * c.accumulate);
   BatchSchedule schedule(run.data.size(), ranks, b, c.accumulate, c.shuffle, c.seed, !c.no_pad);
   // Steps per epoch are ceil(n / B) at any world size (padding never adds a step), so a checkpoint's step within its
@@ -415,7 +421,7 @@ int run_train(const TrainConfig& c, const std::vector<std::string>& argv) {
       throw ConfigError(fmt::format("--world-size {} disagrees with the launcher's WORLD_SIZE={}", c.world_size,
                                     env.world_size));
     }
-    validate(c, env.world_size);
+    validate(c, env.world_size, /*check_batch=*/!c.resume);  // train_rank() checks the batch with the resumed K
     return run_rank(c, init(init_options(c, env)));
   }
   const int n = std::max(c.world_size, 1);

@@ -53,6 +53,7 @@ struct TrainConfig {
   std::string save_state;
   std::string save_optim;         // the optimizer's state, whole, keyed by parameter names (rank 0 writes)
   std::string log;
+  bool log_samples = false;       // --log-samples: every step's dataset indices in the log
   // Checkpoints (train/checkpointing.h): DIR, every S steps (0: at every epoch's end), the newest K kept (0: all).
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
@@ -88,10 +89,15 @@ struct StepRecord {
   double test_accuracy = -1; // --eval: percent correct on the test split after this step's epoch; -1: none
   double test_loss = -1;     // --eval on token data: nats per valid token of the test split; -1: none
   std::optional<StepBreakdown> breakdown{};  // --trace: this rank's compute, communication, exposed time, overlap
+  int world_size = 1;                // ranks that trained the step (an elastic job's changes with its rounds)
+  int64_t accumulate = 1;            // K of the step's run (the last step of an epoch may hold fewer)
+  std::vector<int64_t> sample_ids{};  // --log-samples: the step's dataset indices over every rank
 };
 
 // Throws ConfigError naming the flag, its value and what is allowed. `world_size` is the job's actual size.
-void validate(const TrainConfig& config, int world_size);
+// check_batch=false leaves out the global batch's split into world_size x --accumulate (a resumed run checks it with
+// the K it resumes with).
+void validate(const TrainConfig& config, int world_size, bool check_batch = true);
 
 // One rank's training loop, written once against the engine interface (world is null for --strategy local).
 // Returns the step records (every rank has the same losses). Rank 0 writes --log and --save-state.

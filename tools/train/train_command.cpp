@@ -80,7 +80,10 @@ void add_file_options(CLI::App* cmd, TrainConfig& c) {
   cmd->add_option("--save-state", c.save_state, "write the final state dict (Python torch.load reads it)");
   cmd->add_option("--save-optim", c.save_optim, "write the final optimizer state, whole, keyed by parameter names "
                   "(PyTorch's FSDP.full_optim_state_dict layout; Python torch.load reads it)");
-  cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds");
+  cmd->add_option("--log", c.log, "JSON lines: step, epoch, loss, samples, seconds, world_size, accumulate");
+  cmd->add_flag("--log-samples", c.log_samples,
+                "with --log: every step's dataset indices over all ranks (sample_ids; padding duplicates included)")
+      ->needs("--log");
 }
 
 // Checkpoints, resuming and restarts (train/checkpointing.h, docs/semantics.md Note [Resuming]).

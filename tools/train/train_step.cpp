@@ -152,6 +152,29 @@ int64_t items_in(const Dataset& data, const torch::Tensor& indices) {
   return data.tokens() ? data.targets.index_select(0, indices).ne(kIgnoreIndex).sum().item<int64_t>() : indices.numel();
 }
 
+std::vector<int64_t> step_sample_ids(const StepContext& ctx, const BatchSchedule& schedule, int64_t s) {
+  const auto ids_of = [&](int rank) {
+    std::string out;
+    for (const auto& micro : schedule.step(rank, s)) {
+      const auto ids = micro.contiguous();
+      for (int64_t i = 0; i < ids.numel(); ++i) out += std::to_string(ids.data_ptr<int64_t>()[i]) + " ";
+    }
+    return out;
+  };
+  std::vector<std::string> ranks;
+  if (ctx.world) {
+    ranks = ctx.world->comm().allgather_strings(ids_of(ctx.world->rank()));
+  } else {
+    for (int r = 0; r < schedule.world_size(); ++r) ranks.push_back(ids_of(r));
+  }
+  std::vector<int64_t> all;
+  for (const auto& text : ranks) {
+    std::istringstream in(text);
+    for (int64_t id = 0; in >> id;) all.push_back(id);
+  }
+  return all;
+}
+
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices) {
   auto output = forward(ctx, indices);
   TraceSpan span(tracer_of(ctx), "loss");

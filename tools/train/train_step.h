@@ -25,6 +25,10 @@ struct StepContext {
   Reduction reduction;
 };
 
+// --log-samples: the dataset indices of step s of the epoch over every rank (padding duplicates included), rank by
+// rank. Collective.
+std::vector<int64_t> step_sample_ids(const StepContext& ctx, const BatchSchedule& schedule, int64_t s);
+
 // The per-sample-mean (or summed, per --loss-reduction) loss of one micro-batch in float32, with its graph.
 torch::Tensor micro_batch_loss(const StepContext& ctx, const torch::Tensor& indices);
 
