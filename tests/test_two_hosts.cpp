@@ -1,5 +1,5 @@
-// Two hosts on one machine (ctest label `faults`): two network namespaces joined by a veth pair, one launcher of two
-// ranks in each (--nnodes 2), Gloo over real TCP between 10.77.x.1 and 10.77.x.2 through rank 0's store with a
+// Two hosts on one machine (ctest label `faults`): two network namespaces on a bridge (support/netns_hosts.h), one
+// launcher of two ranks in each (--nnodes 2), Gloo over real TCP between 10.77.x.1 and 10.77.x.2 through rank 0's store with a
 // token. Hybrid sharding takes its default mesh from them (a shard group per host, 2 replicas across the link); the
 // parameters equal the same mesh on one host bit for bit; cutting the link mid-training fails every rank within the
 // timeout and leaves nothing running. Skipped, saying why, where namespaces cannot be made.
@@ -15,6 +15,7 @@
 
 #include "gradsync/state_dict.h"
 #include "support/fault_record.h"
+#include "support/netns_hosts.h"
 #include "support/subprocess.h"
 
 namespace fs = std::filesystem;
@@ -23,49 +24,16 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-t::ProcessResult sh(const std::string& command) {
-  t::CommandOptions o;
-  o.timeout = std::chrono::seconds(20);
-  return t::run({"/bin/sh", "-c", command}, o);
+// `gradsync launch` of node `host` (a: node 0, the store's) starting `nproc` ranks of `train_args`, inside its
+// namespace.
+t::Process launch(const t::NetnsHosts& hosts, char host, int port, const std::vector<std::string>& train_args,
+                  int nproc) {
+  std::vector<std::string> argv{GRADSYNC_BIN, "launch", "--nnodes", "2", "--node-rank", host == 'a' ? "0" : "1",
+                                "-n", std::to_string(nproc), "--master-addr", hosts.address('a'), "--master-port",
+                                std::to_string(port), "--", GRADSYNC_BIN, "train"};
+  argv.insert(argv.end(), train_args.begin(), train_args.end());
+  return t::Process::start(hosts.exec(host, argv), hosts.job(host, std::chrono::seconds(120)));
 }
-
-// Two namespaces gs<id>a and gs<id>b, veth gs<id>a <-> gs<id>b, addresses 10.77.<id>.1 and .2; removed on scope exit.
-class TwoHosts {
- public:
-  TwoHosts() : id_(static_cast<int>(::getpid() % 200) + 20) {
-    const auto r = sh(fmt::format(
-        "set -e; ip netns add {a}; ip netns add {b}; ip link add {a} type veth peer name {b}; "
-        "ip link set {a} netns {a}; ip link set {b} netns {b}; "
-        "ip -n {a} addr add 10.77.{id}.1/24 dev {a}; ip -n {b} addr add 10.77.{id}.2/24 dev {b}; "
-        "ip -n {a} link set {a} up; ip -n {b} link set {b} up; ip -n {a} link set lo up; ip -n {b} link set lo up",
-        fmt::arg("a", name('a')), fmt::arg("b", name('b')), fmt::arg("id", id_)));
-    ok_ = r.ok();
-    error_ = r.err;
-  }
-  ~TwoHosts() { sh(fmt::format("ip netns del {}; ip netns del {}", name('a'), name('b'))); }
-  bool ok() const { return ok_; }
-  const std::string& error() const { return error_; }
-  std::string name(char host) const { return fmt::format("gs{}{}", id_, host); }
-  std::string address(char host) const { return fmt::format("10.77.{}.{}", id_, host == 'a' ? 1 : 2); }
-
-  // `gradsync launch` of node `host` (a: node 0, the store's) starting `nproc` ranks of `train_args`, inside its
-  // namespace.
-  t::Process launch(char host, int port, const std::vector<std::string>& train_args, int nproc) const {
-    std::vector<std::string> argv{"ip", "netns", "exec", name(host), GRADSYNC_BIN, "launch", "--nnodes", "2",
-                                  "--node-rank", host == 'a' ? "0" : "1", "-n", std::to_string(nproc),
-                                  "--master-addr", address('a'),
-                                  "--master-port", std::to_string(port), "--", GRADSYNC_BIN, "train"};
-    argv.insert(argv.end(), train_args.begin(), train_args.end());
-    auto o = t::job_options(std::chrono::seconds(120), {"GRADSYNC_BACKEND"});
-    o.env.insert(o.env.end(), {{"GLOO_SOCKET_IFNAME", name(host)}, {"GRADSYNC_STORE_TOKEN", "5ca1ab1e"}});
-    return t::Process::start(argv, o);
-  }
-
- private:
-  int id_;
-  bool ok_ = false;
-  std::string error_;
-};
 
 // hsdp with its default replicas (one per host), a unit per layer, accumulating shards over 2 micro-steps.
 std::vector<std::string> flags(const std::string& dir, const std::string& tag, int64_t steps) {
@@ -85,7 +53,7 @@ bool names_rank(const std::string& err, int rank) {
 }  // namespace
 
 TEST(FaultsTwoHosts, HsdpAcrossTwoNamespacesEqualsTheOneHostMeshAndACutLinkFailsEveryRankWithinTheTimeout) {
-  TwoHosts hosts;
+  t::NetnsHosts hosts(2);
   if (!hosts.ok()) GTEST_SKIP() << "network namespaces cannot be made here (needs root and iproute2): " << hosts.error();
   const auto dir = t::make_temp_dir("gradsync-two-hosts-");
   const auto o = t::job_options(std::chrono::seconds(120), {"GRADSYNC_BACKEND"});
@@ -95,8 +63,8 @@ TEST(FaultsTwoHosts, HsdpAcrossTwoNamespacesEqualsTheOneHostMeshAndACutLinkFails
   ASSERT_TRUE(one.ok()) << one.describe();
 
   const int port = 29000 + static_cast<int>(::getpid() % 1000);
-  auto node0 = hosts.launch('a', port, flags(dir, "two", 30), 2);
-  auto node1 = hosts.launch('b', port, flags(dir, "two-node1", 30), 2);
+  auto node0 = launch(hosts, 'a', port, flags(dir, "two", 30), 2);
+  auto node1 = launch(hosts, 'b', port, flags(dir, "two-node1", 30), 2);
   const auto r0 = node0.wait(), r1 = node1.wait();
   ASSERT_TRUE(r0.ok()) << r0.describe();
   ASSERT_TRUE(r1.ok()) << r1.describe();
@@ -105,10 +73,10 @@ TEST(FaultsTwoHosts, HsdpAcrossTwoNamespacesEqualsTheOneHostMeshAndACutLinkFails
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].second, b[i].second)) << a[i].first;
 
   // Cut the link while they train: every rank fails within the timeout (5 s), naming itself and its operation.
-  auto cut0 = hosts.launch('a', port + 1, flags(dir, "cut", 1000000), 2);
-  auto cut1 = hosts.launch('b', port + 1, flags(dir, "cut-node1", 1000000), 2);
+  auto cut0 = launch(hosts, 'a', port + 1, flags(dir, "cut", 1000000), 2);
+  auto cut1 = launch(hosts, 'b', port + 1, flags(dir, "cut-node1", 1000000), 2);
   while (t::line_count(dir + "/cut.log") < 10 && !cut0.poll()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  ASSERT_TRUE(sh(fmt::format("ip -n {} link set {} down", hosts.name('a'), hosts.name('a'))).ok());
+  ASSERT_TRUE(hosts.cut('a'));
   const auto cut_at = Clock::now();
   const auto c0 = cut0.wait(), c1 = cut1.wait();
   const double seconds = std::chrono::duration<double>(Clock::now() - cut_at).count();
