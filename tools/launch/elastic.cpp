@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <optional>
 
-#include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -16,12 +15,6 @@ namespace gradsync::cli {
 namespace {
 
 constexpr const char* kGrow = "grow: a node is waiting to join";
-
-// c10d's errors without their C++ backtrace.
-std::string message(const std::exception& e) {
-  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
-  return torch_error ? torch_error->what_without_backtrace() : e.what();
-}
 
 bool is_failure(const std::string& end) { return end.rfind("grow:", 0) != 0; }
 
@@ -131,7 +124,7 @@ class ElasticAgent {
       const bool room = static_cast<int>(m.nodes.size()) < options_.max_nodes;
       if (rdzv_.hosting() && room && rdzv_.waiting(m.round) > 0) return rdzv_.end(m.round, kGrow);
     } catch (const std::exception& e) {
-      store_error_ = message(e);
+      store_error_ = error_text(e);
       return "the rendezvous store failed";
     }
     return "";
@@ -192,7 +185,7 @@ int launch_elastic(const LaunchOptions& options) {
     report_line(e.what());
   } catch (const std::exception& e) {
     report_line(fmt::format("{}; the elastic job cannot go on without the rendezvous host (the launcher at "
-                            "--rdzv-endpoint), or this node's link to it is cut", message(e)));
+                            "--rdzv-endpoint), or this node's link to it is cut", error_text(e)));
   }
   return 1;
 }

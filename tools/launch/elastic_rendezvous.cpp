@@ -86,11 +86,12 @@ std::string ElasticNode::name() const { return fmt::format("{} (pid {})", addres
 
 struct ElasticRendezvous::Impl {
   const LaunchOptions& options;
+  const Endpoint endpoint;
   std::unique_ptr<StoreServer> server;
   c10::intrusive_ptr<c10d::Store> store;
   ElasticNode me;
 
-  explicit Impl(const LaunchOptions& o) : options(o) {}
+  explicit Impl(const LaunchOptions& o) : options(o), endpoint(endpoint_of(o)) {}
 
   std::string key(int round, const std::string& what) const { return fmt::format("r{}/{}", round, what); }
   // Every request runs on a thread of its own and is waited for `limit` at most: over a cut link c10d's client may
@@ -103,9 +104,8 @@ struct ElasticRendezvous::Impl {
     auto result = task->get_future();
     std::thread([task] { (*task)(); }).detach();
     if (result.wait_for(limit) != std::future_status::ready) {
-      const auto e = endpoint_of(options);
-      throw DistributedError(fmt::format("the elastic rendezvous store at {}:{} did not answer {} within {} s", e.host,
-                                         e.port, what, limit.count() / 1000.0));
+      throw DistributedError(fmt::format("the elastic rendezvous store at {}:{} did not answer {} within {} s",
+                                         endpoint.host, endpoint.port, what, limit.count() / 1000.0));
     }
     return result.get();
   }
@@ -149,7 +149,7 @@ struct ElasticRendezvous::Impl {
       const bool full = joined >= options.max_nodes, last_call_over = min_at && now - *min_at >= options.last_call;
       if (full || last_call_over) {
         const int64_t members = std::min<int64_t>(joined, options.max_nodes);
-        const int port = free_port(endpoint_of(options).host);
+        const int port = free_port(endpoint.host);
         set(key(round, "closed"), fmt::format("{} {}", members, port));
         return;
       }
@@ -182,7 +182,7 @@ struct ElasticRendezvous::Impl {
 };
 
 ElasticRendezvous::ElasticRendezvous(const LaunchOptions& options)
-    : impl_(std::make_unique<Impl>(options)), endpoint_(endpoint_of(options)) {
+    : impl_(std::make_unique<Impl>(options)), endpoint_(impl_->endpoint) {
   const char* token = std::getenv("GRADSYNC_STORE_TOKEN");
   const std::string secret = token != nullptr ? token : "";
   try {

@@ -416,9 +416,13 @@ int launch(const LaunchOptions& options) {
 
 void report_line(const std::string& line) { write_all(STDERR_FILENO, "gradsync launch: " + line + "\n"); }
 
-void print_error(const std::exception& e) {
+std::string error_text(const std::exception& e) {
   const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
-  fmt::print(stderr, "gradsync: error: {}\n", torch_error ? torch_error->what_without_backtrace() : e.what());
+  return torch_error ? torch_error->what_without_backtrace() : e.what();
+}
+
+void print_error(const std::exception& e) {
+  fmt::print(stderr, "gradsync: error: {}\n", error_text(e));
   std::fflush(stderr);
 }
 

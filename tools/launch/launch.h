@@ -84,6 +84,9 @@ void report_line(const std::string& line);
 // `gradsync launch`: adds the subcommand to `root`; its callback stores the exit status in `exit_code`.
 void add_launch_command(CLI::App& root, int& exit_code);
 
+// An exception's message; libtorch's without their C++ backtrace (which helps nobody running the CLI).
+std::string error_text(const std::exception& e);
+
 // How a gradsync process reports the error it exits with: "gradsync: error: <what>" on stderr, libtorch's errors
 // without their C++ backtrace (which helps nobody running the CLI).
 void print_error(const std::exception& e);
