@@ -54,7 +54,7 @@ bool names_rank(const std::string& err, int rank) {
 
 TEST(FaultsTwoHosts, HsdpAcrossTwoNamespacesEqualsTheOneHostMeshAndACutLinkFailsEveryRankWithinTheTimeout) {
   t::NetnsHosts hosts(2);
-  if (!hosts.ok()) GTEST_SKIP() << "network namespaces cannot be made here (needs root and iproute2): " << hosts.error();
+  GRADSYNC_REQUIRE_HOSTS(hosts);
   const auto dir = t::make_temp_dir("gradsync-two-hosts-");
   const auto o = t::job_options(std::chrono::seconds(120), {"GRADSYNC_BACKEND"});
   auto one_host = flags(dir, "one", 30);

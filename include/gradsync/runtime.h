@@ -52,6 +52,10 @@ std::optional<std::string> process_env(const std::string& name);
 // naming the variable and its value for anything missing, not an integer, or out of range.
 LaunchEnv read_launch_env(const EnvLookup& lookup = process_env);
 
+// GRADSYNC_STORE_TOKEN ("" when unset), the secret every key of a job's store is prefixed with. Throws ConfigError
+// when it holds a '/' or white space.
+std::string read_store_token(const EnvLookup& lookup = process_env);
+
 // ---- joining a job -------------------------------------------------------------------------------
 
 struct InitOptions {

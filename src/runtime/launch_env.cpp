@@ -113,15 +113,21 @@ LaunchEnv read_family(const EnvLookup& env, const VariableNames& names, const ch
   auto agent = env("TORCHELASTIC_USE_AGENT_STORE");
   e.agent_store = agent && (*agent == "True" || *agent == "true" || *agent == "1");
   e.restart_count = optional_int(env, "TORCHELASTIC_RESTART_COUNT", 0, "an integer >= 0");
-  e.store_token = env("GRADSYNC_STORE_TOKEN").value_or("");
+  e.store_token = read_store_token(env);
   e.store_bind = env("GRADSYNC_STORE_BIND").value_or("");
-  if (e.store_token.find_first_of("/ \t\n") != std::string::npos) {
-    throw ConfigError("GRADSYNC_STORE_TOKEN must not contain '/' or white space; use e.g. 32 hex digits");
-  }
   return e;
 }
 
 }  // namespace
+
+std::string read_store_token(const EnvLookup& env) {
+  auto token = env("GRADSYNC_STORE_TOKEN").value_or("");
+  // The token becomes a key prefix of the store: a '/' would reach into another job's keys.
+  if (token.find_first_of("/ \t\n") != std::string::npos) {
+    throw ConfigError("GRADSYNC_STORE_TOKEN must not contain '/' or white space; use e.g. 32 hex digits");
+  }
+  return token;
+}
 
 Backend parse_backend(const std::string& name, const std::string& what) {
   if (name == "gloo") return Backend::Gloo;

@@ -14,12 +14,26 @@ ProcessResult sh(const std::string& command) {
 }
 
 NetnsHosts::NetnsHosts(int count) : id_(static_cast<int>(::getpid() % 200) + 20), count_(count) {
+  possible_ = ::geteuid() == 0 && sh("command -v ip").ok();
+  // The switch namespace reserves the id: `ip netns add` fails when it exists (left over, or another test's).
+  ProcessResult reserved;
+  for (int tries = 0; tries < 200; ++tries, id_ = (id_ - 20 + 1) % 200 + 20) {
+    reserved = sh(fmt::format("ip netns add gs{}s", id_));
+    if (reserved.ok() || reserved.err.find("File exists") == std::string::npos) break;
+  }
+  if (!reserved.ok()) {
+    error_ = reserved.err;
+    count_ = 0;
+    reserved_ = false;
+    return;
+  }
   const std::string bridge = fmt::format("gs{}s", id_);
-  std::string script = fmt::format("set -e; ip netns add {s}; ip -n {s} link add br0 type bridge; "
-                                   "ip -n {s} link set br0 up; ", fmt::arg("s", bridge));
+  std::string script = fmt::format("set -e; ip -n {s} link add br0 type bridge; ip -n {s} link set br0 up; ",
+                                   fmt::arg("s", bridge));
   for (int i = 0; i < count; ++i) {
     const char host = static_cast<char>('a' + i);
     script += fmt::format(
+        "ip netns del {h} 2>/dev/null || true; ip link del {h} 2>/dev/null || true; "
         "ip netns add {h}; ip link add {h} type veth peer name {h}s; ip link set {h} netns {h}; "
         "ip link set {h}s netns {s}; ip -n {s} link set {h}s master br0; ip -n {s} link set {h}s up; "
         "ip -n {h} addr add {addr}/24 dev {h}; ip -n {h} link set {h} up; ip -n {h} link set lo up; ",
@@ -31,6 +45,7 @@ NetnsHosts::NetnsHosts(int count) : id_(static_cast<int>(::getpid() % 200) + 20)
 }
 
 NetnsHosts::~NetnsHosts() {
+  if (!reserved_) return;  // the id is another's
   std::string script = fmt::format("ip netns del gs{}s; ", id_);
   for (int i = 0; i < count_; ++i) script += fmt::format("ip netns del {}; ", name(static_cast<char>('a' + i)));
   sh(script);

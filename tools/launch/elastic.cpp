@@ -9,12 +9,15 @@
 #include <fmt/ranges.h>
 
 #include "gradsync/error.h"
+#include "gradsync/runtime.h"
 #include "launch/elastic_rendezvous.h"
 
 namespace gradsync::cli {
 namespace {
 
 constexpr const char* kGrow = "grow: a node is waiting to join";
+// A round that ended so is not started again (the host aborts the next one).
+constexpr const char* kNotRestartable = "failed (not restartable)";
 
 bool is_failure(const std::string& end) { return end.rfind("grow:", 0) != 0; }
 
@@ -41,8 +44,7 @@ std::string change(const Membership& m, const std::vector<ElasticNode>& previous
   return parts.empty() ? "the same nodes" : fmt::format("{}", fmt::join(parts, "; "));
 }
 
-void announce(const Membership& m, const LaunchOptions& o, const std::string& changed, const std::string& after,
-              int restarts) {
+void announce(const Membership& m, const LaunchOptions& o, const std::string& changed, const std::string& after) {
   const int first = m.node_rank * o.nproc;
   std::string line = fmt::format("round {}: {} node(s), {} ranks: {}; this node is node {} (ranks {}-{})", m.round,
                                  m.nodes.size(), m.nodes.size() * static_cast<size_t>(o.nproc), listed(m.nodes),
@@ -50,21 +52,21 @@ void announce(const Membership& m, const LaunchOptions& o, const std::string& ch
   if (!changed.empty()) line += "; " + changed;
   if (!after.empty()) {
     line += fmt::format("; after round {} ended ({})", m.round - 1, after);
-    if (is_failure(after)) line += fmt::format(", restart {} of {}", restarts, o.max_restarts);
+    if (is_failure(after)) line += fmt::format(", restart {} of {}", m.restarts, o.max_restarts);
   }
   report_line(line);
 }
 
 // This node's part of round m, as a fixed --nnodes launch would run it.
 LaunchOptions round_options(const LaunchOptions& elastic, const Membership& m, const Endpoint& endpoint,
-                            const std::string& changed, int restarts) {
+                            const std::string& changed) {
   LaunchOptions o = elastic;
   o.min_nodes = o.max_nodes = 0;
   o.nnodes = static_cast<int>(m.nodes.size());
   o.node_rank = m.node_rank;
   o.master_addr = endpoint.host;  // node 0 is the endpoint's host, and its rank 0 serves the ranks' store
   o.master_port = m.master_port;
-  o.restart_count = restarts;
+  o.restart_count = m.restarts;  // the host's count: the ranks' store keys include it, so every node's must agree
   o.extra_env.insert(o.extra_env.begin(), {{"TORCHELASTIC_RUN_ID", elastic.rdzv_id},
                                            {"GRADSYNC_ELASTIC_ROUND", std::to_string(m.round)},
                                            {"GRADSYNC_ELASTIC_CHANGE", changed}});
@@ -78,14 +80,14 @@ class ElasticAgent {
   int run() {
     int round = rdzv_.hosting() ? 0 : -1;  // a client starts at whichever round is open
     for (;;) {
-      const Membership m = rdzv_.join(round, previous_);
+      const Membership m = rdzv_.join(round, {previous_, restarts_, give_up(round)});
       if (m.nodes.empty()) {
         report_line("the job finished before this node could join it");
         return 0;
       }
       const std::string changed = change(m, previous_);
-      announce(m, options_, changed, last_end_, restarts_);
-      const GroupResult group = run_group(round_options(options_, m, rdzv_.endpoint(), changed, restarts_),
+      announce(m, options_, changed, last_end_);
+      const GroupResult group = run_group(round_options(options_, m, rdzv_.endpoint(), changed),
                                           [&] { return watch(m); });
       if (!store_error_.empty()) throw DistributedError(store_error_);
       round = m.round + 1;
@@ -107,14 +109,25 @@ class ElasticAgent {
       rdzv_.end(m.round, fmt::format("failed: the launcher of node {} was stopped by a signal", me));
       return group.code;
     } else {
-      last_end_ = rdzv_.end(m.round, fmt::format("failed: node {}: {}", me, group.first_failure));
+      const char* kind = group.code == kExitConfigError ? kNotRestartable : "failed";
+      last_end_ = rdzv_.end(m.round, fmt::format("{}: node {}: {}", kind, me, group.first_failure));
     }
-    if (is_failure(last_end_) && ++restarts_ > options_.max_restarts) {
-      report_line(fmt::format("giving up after {} restart(s): round {} ended ({})", options_.max_restarts, m.round,
-                              last_end_));
-      return group.code != 0 ? group.code : 1;
-    }
+    if (is_failure(last_end_)) restarts_ = m.restarts + 1;  // the host's count is the one every node is sent
     return std::nullopt;
+  }
+
+  // The host's verdict before round `round` (empty: go on): out of restarts, or a failure no restart mends.
+  std::string give_up(int round) const {
+    if (!rdzv_.hosting() || last_end_.empty()) return "";
+    if (last_end_.rfind(kNotRestartable, 0) == 0) {
+      return fmt::format("not restarting: round {} ended ({}); a rank's configuration error comes back at every "
+                         "restart", round - 1, last_end_);
+    }
+    if (restarts_ > options_.max_restarts) {
+      return fmt::format("giving up after {} restart(s): round {} ended ({})", options_.max_restarts, round - 1,
+                         last_end_);
+    }
+    return "";
   }
 
   // Polled while the ranks run: the round ended elsewhere, or (the host) a newcomer waits and there is room.
@@ -135,7 +148,7 @@ class ElasticAgent {
   std::vector<ElasticNode> previous_;
   std::string last_end_;
   std::string store_error_;
-  int restarts_ = 0;
+  int restarts_ = 0;  // failed rounds so far: the host's decides; a client's only follows what the host sent
 };
 
 }  // namespace
@@ -168,7 +181,8 @@ void validate_elastic(const LaunchOptions& o) {
     throw ConfigError(fmt::format("--nnodes {}:{} needs --rdzv-endpoint HOST:PORT (or --master-addr and "
                                   "--master-port): where every launcher meets", o.min_nodes, o.max_nodes));
   }
-  (void)endpoint_of(o);  // throws naming a malformed --rdzv-endpoint
+  (void)endpoint_of(o);       // throws naming a malformed --rdzv-endpoint
+  (void)read_store_token();  // and a GRADSYNC_STORE_TOKEN the rendezvous could not use
   if (o.rdzv_id.empty() || o.rdzv_id.find_first_of("/ \t\n") != std::string::npos) {
     throw ConfigError(fmt::format("--rdzv-id must be a non-empty name without '/' or white space, got '{}'",
                                   o.rdzv_id));

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <future>
+#include <iterator>
+#include <map>
 #include <optional>
 #include <sstream>
 #include <thread>
@@ -18,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "gradsync/error.h"
+#include "gradsync/runtime.h"
 #include "launch/spawn.h"
 #include "runtime/store_server.h"
 #include "runtime/tcp_probe.h"
@@ -135,56 +138,104 @@ struct ElasticRendezvous::Impl {
     });
   }
 
-  // Arrival i of the round (its number is taken just before its entry is written: allow that moment).
+  // Arrival i of the round, a member: the host published it once its entry was written.
   ElasticNode node(int round, int64_t i) { return parse_node(wait_get(key(round, fmt::format("node/{}", i)), kMaxRequest)); }
 
-  // The host's part: closes round `round` once MAX came, or MIN and the last call passed; aborts below MIN.
-  void close(int round, const std::vector<ElasticNode>& previous) {
+  // The arrivals of round `round` whose entries are written, by arrival number. One counted whose entry is missing is
+  // asked again at the next poll; a launcher killed between the two requests is never a member.
+  void collect(int round, std::map<int64_t, ElasticNode>& complete) {
+    const int64_t counted = count(key(round, "joined"));
+    for (int64_t i = 0; i < counted; ++i) {
+      if (complete.count(i)) continue;
+      if (auto entry = peek(key(round, fmt::format("node/{}", i)))) complete[i] = parse_node(*entry);
+    }
+  }
+
+  // The host's part: closes round `round` once MAX came, or MIN and the last call since MIN came passed; aborts when
+  // MIN did not come within the rendezvous timeout, or at once when the host gives up.
+  void close(int round, const RoundStart& start, int64_t mine) {
+    if (!start.give_up.empty()) return set(key(round, "closed"), "abort " + start.give_up);
     const auto opened = Clock::now();
     std::optional<Clock::time_point> min_at;
+    std::map<int64_t, ElasticNode> complete;
     for (;; std::this_thread::sleep_for(kPoll)) {
-      const int64_t joined = count(key(round, "joined"));
+      collect(round, complete);
       const auto now = Clock::now();
-      if (joined >= options.min_nodes && !min_at) min_at = now;
-      const bool full = joined >= options.max_nodes, last_call_over = min_at && now - *min_at >= options.last_call;
-      if (full || last_call_over) {
-        const int64_t members = std::min<int64_t>(joined, options.max_nodes);
-        const int port = free_port(endpoint.host);
-        set(key(round, "closed"), fmt::format("{} {}", members, port));
-        return;
+      const auto came = static_cast<int64_t>(complete.size());
+      if (came >= options.min_nodes && !min_at) min_at = now;
+      if (came >= options.max_nodes || (min_at && now - *min_at >= options.last_call)) {
+        return publish(round, start, complete, mine);
       }
-      if (now - opened >= options.rdzv_timeout) return abort(round, joined, previous);
+      if (!min_at && now - opened >= options.rdzv_timeout) return abort_below_min(round, complete, start.previous);
     }
   }
 
-  // A late arrival: true once round `round` has ended (join the next), false when its members all finished. No
-  // timeout: a full round may run for as long as the job does.
-  bool wait_for_next(int round, int64_t members) {
-    for (;; std::this_thread::sleep_for(std::chrono::seconds(1))) {
-      if (peek(key(round, "end"))) return true;
-      if (count(key(round, "succeeded")) >= members) return false;
+  // The members, up to MAX: the host (node 0, MASTER_ADDR), then the last round's members, then newcomers, each in
+  // the order they came.
+  void publish(int round, const RoundStart& start, const std::map<int64_t, ElasticNode>& complete, int64_t mine) {
+    std::vector<int64_t> members{mine};
+    const auto was_member = [&](const ElasticNode& n) {
+      return std::find(start.previous.begin(), start.previous.end(), n) != start.previous.end();
+    };
+    for (const bool previous : {true, false}) {
+      for (const auto& [i, n] : complete) {
+        if (i != mine && was_member(n) == previous && static_cast<int>(members.size()) < options.max_nodes) {
+          members.push_back(i);
+        }
+      }
     }
+    const int port = free_port(endpoint.host);
+    set(key(round, "closed"), fmt::format("{} {} {}", port, start.restarts, fmt::join(members, " ")));
   }
 
-  void abort(int round, int64_t joined, const std::vector<ElasticNode>& previous) {
-    std::vector<ElasticNode> came;
-    for (int64_t i = 0; i < joined; ++i) came.push_back(node(round, i));
-    std::vector<ElasticNode> lost;
+  void abort_below_min(int round, const std::map<int64_t, ElasticNode>& complete,
+                       const std::vector<ElasticNode>& previous) {
+    std::vector<ElasticNode> came, lost;
+    for (const auto& [i, n] : complete) came.push_back(n);
     for (const auto& n : previous) {
       if (std::find(came.begin(), came.end(), n) == came.end()) lost.push_back(n);
     }
     const auto why = fmt::format(
         "round {}: {} node(s) joined within the rendezvous timeout of {} s, fewer than the minimum {} (--nnodes {}:{}); "
-        "joined: {}; lost since the last round: {}", round, joined, options.rdzv_timeout.count() / 1000.0,
+        "joined: {}; lost since the last round: {}", round, came.size(), options.rdzv_timeout.count() / 1000.0,
         options.min_nodes, options.min_nodes, options.max_nodes, names(came), names(lost));
     set(key(round, "closed"), "abort " + why);
+  }
+
+  // The host, after an abort: serves the store until every other arrival has read it, and at least `others` (the
+  // last round's members, told to give up before they may have joined), or for one request's limit.
+  void await_readers(int round, int64_t others) {
+    const auto deadline = Clock::now() + kMaxRequest;
+    const auto readers = [&] { return std::max(count(key(round, "joined")) - 1, others); };
+    while (count(key(round, "seen")) < readers() && Clock::now() < deadline) std::this_thread::sleep_for(kPoll);
+  }
+
+  // A node that is not a member: true once round `round` has ended (join the next), false when its members all
+  // finished. No timeout: a full round may run for as long as the job does.
+  bool wait_for_next(int round, int64_t members) {
+    for (;; std::this_thread::sleep_for(std::chrono::seconds(1))) {
+      if (peek(key(round, "end"))) return true;
+      if (count(key(round, "succeeded")) >= members) {
+        add(key(round, "left"), 1);  // the host stops serving once everyone has seen the end
+        return false;
+      }
+    }
+  }
+
+  // A client's check before its first round: the job's nodes all run the host's -n.
+  void check_nproc() {
+    const int host_nproc = std::stoi(wait_get("nproc", options.rdzv_timeout));
+    if (host_nproc != options.nproc) {
+      throw RendezvousAborted(fmt::format("this node ({}) runs -n {} and the rendezvous host {} -n {}: every node of "
+                                          "an elastic job runs the same number of ranks", me.name(), options.nproc,
+                                          endpoint.host, host_nproc));
+    }
   }
 };
 
 ElasticRendezvous::ElasticRendezvous(const LaunchOptions& options)
     : impl_(std::make_unique<Impl>(options)), endpoint_(impl_->endpoint) {
-  const char* token = std::getenv("GRADSYNC_STORE_TOKEN");
-  const std::string secret = token != nullptr ? token : "";
+  const std::string secret = read_store_token();
   try {
     StoreServerOptions server;
     server.host = endpoint_.host;
@@ -210,46 +261,61 @@ ElasticRendezvous::ElasticRendezvous(const LaunchOptions& options)
   if (!secret.empty()) store = c10::make_intrusive<c10d::PrefixStore>(secret, store);
   impl_->store = c10::make_intrusive<c10d::PrefixStore>("gradsync-elastic/" + options.rdzv_id, store);
   impl_->me = {local_address_towards(endpoint_), static_cast<long>(::getpid()), options.nproc, hosting()};
-  if (hosting()) impl_->me.address = endpoint_.host;  // the address the others reach it by
+  if (hosting()) {
+    impl_->me.address = endpoint_.host;  // the address the others reach it by
+    impl_->set("nproc", std::to_string(options.nproc));
+  }
 }
 
 ElasticRendezvous::~ElasticRendezvous() = default;
 
 bool ElasticRendezvous::hosting() const { return impl_->server != nullptr; }
 
-Membership ElasticRendezvous::join(int round, const std::vector<ElasticNode>& previous) {
+Membership ElasticRendezvous::join(int round, const RoundStart& start) {
   auto& s = *impl_;
   const auto& o = s.options;
-  if (round < 0) round = std::stoi(s.wait_get("current", o.rdzv_timeout));  // a newcomer
+  if (round < 0) {  // a client's first round: whichever is open
+    s.check_nproc();
+    round = std::stoi(s.wait_get("current", o.rdzv_timeout));
+  }
   for (;; ++round) {
-    if (hosting()) s.set("current", std::to_string(round));
+    if (hosting()) {
+      s.set("current", std::to_string(round));
+      s.set(s.key(round, "open"), "1");
+    }
     const int64_t arrival = s.add(s.key(round, "joined"), 1) - 1;
     s.set(s.key(round, fmt::format("node/{}", arrival)), node_entry(s.me));
-    if (hosting()) s.close(round, previous);
+    if (hosting()) {
+      s.close(round, start, arrival);
+    } else {  // the host may still be stopping its ranks; its wait for MIN starts when it opens the round
+      s.wait_get(s.key(round, "open"), o.rdzv_timeout + kMaxRequest);
+    }
     const std::string closed = s.wait_get(s.key(round, "closed"), o.rdzv_timeout + o.last_call + kMaxRequest);
-    if (closed.rfind("abort ", 0) == 0) throw RendezvousAborted(closed.substr(6));
+    if (closed.rfind("abort ", 0) == 0) {
+      if (hosting()) {  // below MIN, the nodes that did not come are lost: wait only for those that came
+        s.await_readers(round, start.give_up.empty() ? 0 : static_cast<int64_t>(start.previous.size()) - 1);
+      } else {
+        s.add(s.key(round, "seen"), 1);
+      }
+      throw RendezvousAborted(closed.substr(6));
+    }
     Membership m;
     m.round = round;
-    int64_t members = 0;
-    std::istringstream(closed) >> members >> m.master_port;
-    if (arrival >= members) {  // came after the close: the running members restart for us
+    std::istringstream in(closed);
+    in >> m.master_port >> m.restarts;
+    std::vector<int64_t> members{std::istream_iterator<int64_t>(in), std::istream_iterator<int64_t>()};
+    if (std::find(members.begin(), members.end(), arrival) == members.end()) {
       s.add(s.key(round, "waiting"), 1);
-      report_line(fmt::format("round {} is already running with {} node(s); waiting for the next", round, members));
-      if (!s.wait_for_next(round, members)) return m;  // the job finished without this node: no members
+      report_line(fmt::format("round {} is already running with {} node(s); waiting for the next", round,
+                              members.size()));
+      if (!s.wait_for_next(round, static_cast<int64_t>(members.size()))) return m;  // the job finished without us
       continue;
     }
-    for (int64_t i = 0; i < members; ++i) m.nodes.push_back(s.node(round, i));
+    for (const int64_t i : members) m.nodes.push_back(s.node(round, i));
     std::sort(m.nodes.begin(), m.nodes.end(), [](const ElasticNode& a, const ElasticNode& b) {
       return std::make_tuple(!a.host, a.address, a.pid) < std::make_tuple(!b.host, b.address, b.pid);
     });
     m.node_rank = static_cast<int>(std::find(m.nodes.begin(), m.nodes.end(), s.me) - m.nodes.begin());
-    for (const auto& n : m.nodes) {
-      if (n.nproc != o.nproc) {
-        throw RendezvousAborted(fmt::format("round {}: node {} runs -n {} and node {} -n {}: every node of an elastic "
-                                            "job runs the same number of ranks", round, n.name(), n.nproc,
-                                            s.me.name(), o.nproc));
-      }
-    }
     return m;
   }
 }
@@ -279,7 +345,10 @@ bool ElasticRendezvous::finish(const Membership& m) {
     s.add(s.key(m.round, "left"), 1);  // the last request: the host may stop serving after it
     return true;
   }
-  while (s.count(s.key(m.round, "left")) < members - 1 && Clock::now() < deadline) std::this_thread::sleep_for(kPoll);
+  // Members poll every 100 ms, waiting nodes every second: one request's limit is time enough for the living.
+  const auto until = std::min(deadline, Clock::now() + kMaxRequest);
+  const auto readers = [&] { return members - 1 + s.count(s.key(m.round, "waiting")); };
+  while (s.count(s.key(m.round, "left")) < readers() && Clock::now() < until) std::this_thread::sleep_for(kPoll);
   return true;
 }
 

@@ -48,6 +48,10 @@ inline int global_rank(const LaunchOptions& o, int local_rank) { return o.node_r
 void validate(const LaunchOptions& options);
 
 // How one start of this node's ranks ended.
+// A rank's exit status for a configuration error under an elastic launcher (sysexits.h's EX_CONFIG): the same
+// command would fail the same way at every restart, so the launcher does not restart it.
+constexpr int kExitConfigError = 78;
+
 struct GroupResult {
   int code = 0;               // what launch() would return for it
   std::string first_failure;  // "rank 1 (pid 123) was killed by signal 9 (Killed)"; "" when none failed

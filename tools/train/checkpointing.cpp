@@ -107,6 +107,7 @@ int64_t accumulate_after_resize(int64_t accumulate, int ranks, int new_ranks, in
 
 TrainCheckpoints::TrainCheckpoints(const TrainConfig& config, Collectives* comm)
     : config_(config), accumulate_(config.accumulate), ranks_(comm ? comm->size() : 1),
+      origin_accumulate_(accumulate_), origin_ranks_(ranks_),
       world_size_(comm ? comm->size() : 1),
       rank_(comm ? comm->rank() : 0) {
   if (config.checkpoint_dir.empty()) return;
@@ -132,14 +133,19 @@ const std::optional<CheckpointInfo>& TrainCheckpoints::latest() {
 int64_t TrainCheckpoints::accumulate_for(int world_size) {
   ranks_ = world_size;
   const auto& last = latest();
-  // Saved before K was recorded, or not by a run of this command line: --accumulate as given.
+  // Saved before K was recorded, or not by a run of this command line: --accumulate as given, a new start.
   if (!last || !last->meta.count("accumulate") || meta_int(*last, "flag --accumulate") != config_.accumulate) {
+    origin_accumulate_ = config_.accumulate;
+    origin_ranks_ = world_size;
     return accumulate_ = config_.accumulate;
   }
-  const int64_t k = meta_int(*last, "accumulate");
   // The schedule's ranks: the world's, or those a local run replays (--replay-ranks).
   const auto ranks = last->meta.count("ranks") ? meta_int(*last, "ranks") : last->world_size;
-  const int64_t resized = accumulate_after_resize(k, static_cast<int>(ranks), world_size, config_.global_batch);
+  const bool has_origin = last->meta.count("origin accumulate") && last->meta.count("origin ranks");
+  origin_accumulate_ = has_origin ? meta_int(*last, "origin accumulate") : meta_int(*last, "accumulate");
+  origin_ranks_ = has_origin ? meta_int(*last, "origin ranks") : ranks;
+  const int64_t resized = accumulate_after_resize(origin_accumulate_, static_cast<int>(origin_ranks_), world_size,
+                                                  config_.global_batch);
   return accumulate_ = resized > 0 ? resized : config_.accumulate;  // 0: validate() names the batch that cannot split
 }
 
@@ -188,6 +194,8 @@ void TrainCheckpoints::after_step(const Position& next, int64_t total_steps, Eng
                                                  {"step_in_epoch", std::to_string(next.step_in_epoch)},
                                                  {"accumulate", std::to_string(accumulate_)},
                                                  {"ranks", std::to_string(ranks_)},
+                                                 {"origin accumulate", std::to_string(origin_accumulate_)},
+                                                 {"origin ranks", std::to_string(origin_ranks_)},
                                                  {"flag --accumulate", std::to_string(config_.accumulate)}};
   for (const auto& [flag, value] : configuration_fingerprint(config_)) meta["flag " + flag] = value;
   TraceSpan span(engine.tracer(), "checkpoint", TraceEvent::Kind::Phase, "step " + std::to_string(next.step));

@@ -41,7 +41,9 @@ class TrainCheckpoints {
 
   // --resume from a checkpoint saved at another world size (or with a K derived from one) by a run started with this
   // run's --accumulate: the K for a schedule of `world_size` ranks (a local run's --replay-ranks),
-  // accumulate_after_resize() of the checkpoint's K and ranks. Otherwise --accumulate as given: a different value is the user's choice for this size. Collective.
+  // accumulate_after_resize() of the K and ranks the run started with (recorded in every checkpoint since, so
+  // resizes do not drift: 3 x 1 -> 2 x 3 -> 3 x 1 again). Otherwise --accumulate as given: a different value is the
+  // user's choice for this size, and the new start.
   int64_t accumulate_for(int world_size);
 
   // --resume: loads the newest complete checkpoint and returns its position; step 0 when there is none yet (the
@@ -62,6 +64,7 @@ class TrainCheckpoints {
   std::optional<std::optional<CheckpointInfo>> latest_;  // found once: the scan may move a damaged one aside
   int64_t accumulate_;  // this run's K (accumulate_for()), recorded in every checkpoint
   int64_t ranks_;       // the ranks of this run's data schedule (accumulate_for()), recorded too
+  int64_t origin_accumulate_, origin_ranks_;  // K and ranks where the run started (or --accumulate last changed)
   int world_size_ = 1;
   int rank_ = 0;
 };

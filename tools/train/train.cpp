@@ -400,6 +400,9 @@ int run_rank(const TrainConfig& c, std::shared_ptr<World> world) {
       std::fflush(nullptr);
       std::_Exit(1);
     }
+    // An elastic launcher restarts a failed round; this failure would come back (a world the batch cannot split).
+    const bool elastic = std::getenv("GRADSYNC_ELASTIC_ROUND") != nullptr;
+    if (elastic && dynamic_cast<const ConfigError*>(&e) != nullptr) return kExitConfigError;
   }
   return 1;
 }
